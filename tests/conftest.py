@@ -1,0 +1,13 @@
+"""Shared pytest setup: GPU tests run only where CUDA is present."""
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run with -m gpu on the H200)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
