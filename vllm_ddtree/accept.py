@@ -1,0 +1,143 @@
+"""Tree acceptance: walk each verified draft tree along the target's own token choices.
+
+Every node of a draft tree got its own target distribution in the verify pass.  The target picks one token at
+each node (argmax when greedy, one independent draw when sampling); the accepted path starts at the root and
+moves to the child whose draft token equals the target's pick at the current node, until no child matches.
+The output is the path's tokens followed by the target's pick at the last path node (the bonus token).  Every
+emitted token is therefore the target's own choice under its exact context, which makes the walk lossless.
+
+The walk is written without loops or host synchronisation so that it can run inside a CUDA graph: node ``j`` is
+on the path iff every non-root ancestor-or-self ``k`` of ``j`` matched (``node_tokens[k-1] ==
+target_tokens[parent[k]]``).  Matches are packed into bit words and compared with the ancestor bitmask.
+
+All functions take the tree fields of ``vllm_ddtree.tree.DraftTrees`` as separate tensors, so callers can pass
+persistent buffers directly (``walk_trees(t.node_tokens, t.parents, t.anc_bits, t.num_nodes, ...)``):
+
+- ``node_tokens`` ``[B, budget]`` int64: draft token of node ``i+1`` (node 0 is the root);
+- ``parents`` ``[B, W]`` int64, ``W = budget+1``: parent index, topological (``parent < child``), -1 for the root
+  and for padding;
+- ``anc_bits`` int64: bit ``j`` of node ``i``'s mask is set iff ``j`` is an ancestor-or-self of ``i``; ``[B, W]``
+  for ``W <= 64``, else ``[B, W, ceil(W/64)]`` with node ``j`` in word ``j // 64``, bit ``j % 64``;
+- ``num_nodes`` ``[B]`` int64: real nodes are ``1..num_nodes``; nodes after them are padding and never accepted.
+
+Siblings must carry distinct tokens (so at most one child can match), as the tree builder guarantees.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+_WORD_BITS = 64
+
+
+@dataclass(frozen=True)
+class AcceptedPaths:
+    """Result of the walk, laid out for vLLM's ``SamplerOutput`` and the KV-compaction step."""
+
+    accepted_nodes: Tensor  # [B, max_depth+1] int64: node index at path depth d (column 0 = root); -1 past the path
+    num_accepted: Tensor  # [B] int64: number of accepted draft nodes a
+    output_tokens: Tensor  # [B, budget+1] int64: path tokens, then the bonus token, then -1
+
+
+def _pack_bits(flags: Tensor, num_words: int) -> Tensor:
+    """Pack bool flags ``[B, W]`` into int64 words ``[B, num_words]``, node ``j`` at word ``j // 64``, bit ``j % 64``.
+
+    The bits are disjoint, so an integer sum is their OR (bit 63 wraps to the sign bit, as in the ancestor masks).
+    """
+    batch, width = flags.shape
+    padded = torch.zeros(batch, num_words * _WORD_BITS, dtype=torch.int64, device=flags.device)
+    padded[:, :width] = flags.to(torch.int64)
+    weights = torch.ones(_WORD_BITS, dtype=torch.int64, device=flags.device) << torch.arange(
+        _WORD_BITS, dtype=torch.int64, device=flags.device
+    )
+    return (padded.view(batch, num_words, _WORD_BITS) * weights).sum(-1)
+
+
+def walk_trees(
+    node_tokens: Tensor,
+    parents: Tensor,
+    anc_bits: Tensor,
+    num_nodes: Tensor,
+    target_tokens: Tensor,
+    max_depth: int,
+) -> AcceptedPaths:
+    """Accept, per tree, the longest root path whose draft tokens equal the target's picks at their parents.
+
+    ``target_tokens`` ``[B, W]`` int64 is the target's chosen token at each node.  ``max_depth`` fixes the width of
+    ``accepted_nodes`` (static shapes for CUDA graphs); paths are cut at that depth, so pass the trees' maximum
+    depth.  Pure tensor ops with static shapes: no host synchronisation, the same code on CPU and CUDA.
+    """
+    batch, budget = node_tokens.shape
+    width = budget + 1
+    device = node_tokens.device
+    node_idx = torch.arange(width, dtype=torch.int64, device=device)
+
+    # matched[k]: node k's draft token is the target's pick at its parent (the root always "matches").
+    parent_pick = target_tokens.gather(1, parents.clamp(min=0))
+    real = (node_idx >= 1) & (node_idx <= num_nodes.unsqueeze(1))
+    matched = real.clone()
+    matched[:, 1:] &= node_tokens == parent_pick[:, 1:]
+    matched[:, 0] = True
+
+    # on_path[j]: every ancestor-or-self of j matched, i.e. j's mask has no bit outside the matched set.  The mask
+    # holds j's own bit, so unmatched and padding nodes drop out.
+    wide = anc_bits if anc_bits.dim() == 3 else anc_bits.unsqueeze(-1)
+    matched_bits = _pack_bits(matched, wide.shape[-1])
+    on_path = ((wide & ~matched_bits.unsqueeze(1)) == 0).all(-1)
+
+    # The path is a chain in index order (topological), so a running count gives each path node's depth.
+    path_depth = on_path.cumsum(1) - 1
+    on_path &= path_depth <= max_depth
+    num_accepted = on_path.sum(1) - 1
+
+    # Scatter path nodes to their depth; everything else goes to a spill column that is dropped.
+    spill = max_depth + 1
+    nodes = torch.full((batch, spill + 1), -1, dtype=torch.int64, device=device)
+    nodes.scatter_(1, torch.where(on_path, path_depth, spill), node_idx.expand(batch, width))
+    accepted_nodes = nodes[:, :spill]
+
+    # Output row: token of the path node at depth d in column d-1, then the bonus at column a (spill: column W).
+    out = torch.full((batch, width + 1), -1, dtype=torch.int64, device=device)
+    out.scatter_(1, torch.where(on_path[:, 1:], path_depth[:, 1:] - 1, width), node_tokens)
+    last = accepted_nodes.gather(1, num_accepted.unsqueeze(1))
+    out.scatter_(1, num_accepted.unsqueeze(1), target_tokens.gather(1, last))
+    return AcceptedPaths(accepted_nodes=accepted_nodes, num_accepted=num_accepted, output_tokens=out[:, :width])
+
+
+def sample_per_node(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """Draw one token per node from ``probs`` ``[..., V]`` (need not be normalised); returns ``[...]`` int64.
+
+    Uses the exponential-race form ``argmax(p / E)`` with ``E ~ Exp(1)`` (as vLLM's sampler does): it is an exact
+    categorical draw, needs no host synchronisation, and takes an optional generator for reproducible draws.
+    """
+    noise = torch.empty(probs.shape, dtype=torch.float32, device=probs.device).exponential_(generator=generator)
+    return (probs.float() / noise).argmax(-1)
+
+
+def greedy_walk(
+    node_tokens: Tensor,
+    parents: Tensor,
+    anc_bits: Tensor,
+    num_nodes: Tensor,
+    target_logits: Tensor,
+    max_depth: int,
+) -> AcceptedPaths:
+    """Greedy acceptance: the target's pick at each node is the argmax of its logits ``[B, W, V]``."""
+    return walk_trees(node_tokens, parents, anc_bits, num_nodes, target_logits.argmax(-1), max_depth)
+
+
+def sampled_walk(
+    node_tokens: Tensor,
+    parents: Tensor,
+    anc_bits: Tensor,
+    num_nodes: Tensor,
+    target_probs: Tensor,
+    max_depth: int,
+    generator: torch.Generator | None = None,
+) -> AcceptedPaths:
+    """Sampling acceptance: one independent draw per node from the target's processed probabilities ``[B, W, V]``.
+
+    Lossless because every emitted token is a draw from the target under its exact ancestor context.
+    """
+    return walk_trees(node_tokens, parents, anc_bits, num_nodes, sample_per_node(target_probs, generator), max_depth)
