@@ -1,0 +1,120 @@
+"""Timing of ``ddtree::mla_tree_verify`` on one GPU: CUDA-graph replay over >= 4 rotating KV caches, medians.
+
+Only our kernel (the vLLM baselines need vLLM on the device; see ../shared/device/bench_mla_anchor.py). Prints a
+table and writes JSON:  python bench/kernel_mla.py --out bench/results/mla_kernel_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import statistics
+
+import torch
+
+SHAPES = [(1, 32768, 64, 16), (1, 32768, 64, 64), (1, 131072, 64, 16), (1, 32768, 128, 16), (8, 8192, 64, 16),
+          (32, 4096, 16, 16)]
+
+
+def random_tree_bits(n: int, rng: random.Random) -> list[int]:
+    anc = [1]
+    for i in range(1, n):
+        anc.append(anc[rng.randrange(i)] | (1 << i))
+    return [a - (1 << 64) if a >= 1 << 63 else a for a in anc]
+
+
+def copy_bandwidth_gbs() -> float:
+    """Measured device copy rate (bytes read + written), the memory floor's denominator."""
+    x = torch.empty(2 * 1024**3 // 2, dtype=torch.bfloat16, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(10):
+        y.copy_(x)
+    e.record()
+    torch.cuda.synchronize()
+    return 2 * x.numel() * 2 * 10 / (s.elapsed_time(e) * 1e-3) / 1e9
+
+
+def time_shape(B: int, L: int, H: int, N: int, page: int, fp8: bool, rotate: int, reps: int) -> dict:
+    from vllm_ddtree.ops import mla_tree_verify
+
+    rng = random.Random(0)
+    T = B * N
+    nblk = -(-L // page)
+    q = (torch.randn(T, H, 576, device="cuda") / 10).to(torch.bfloat16)
+    q_nope, q_pe = q[..., :512], q[..., 512:]
+    caches, tables = [], []
+    for _ in range(rotate):
+        c = (torch.randn(B * nblk, page, 576, device="cuda") / 10)
+        c = c.to(torch.float8_e4m3fn).view(torch.uint8) if fp8 else c.to(torch.bfloat16)
+        caches.append(c)
+        tables.append(torch.randperm(B * nblk, device="cuda").to(torch.int32).view(B, nblk))
+    seq_lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+    qsl = torch.arange(0, T + 1, N, dtype=torch.int32, device="cuda")
+    bits = torch.tensor(sum((random_tree_bits(N, rng) for _ in range(B)), []), dtype=torch.int64, device="cuda")
+    out = torch.empty(T, H, 512, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(T, H, dtype=torch.float32, device="cuda")
+    scale = 1 / math.sqrt(576)
+
+    def step() -> None:
+        for c, bt in zip(caches, tables, strict=True):
+            mla_tree_verify(q_nope, q_pe, c, bt, seq_lens, qsl, bits, scale, 1.0, out, lse, max_query_len=N)
+
+    step()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    for _ in range(3):
+        g.replay()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        g.replay()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) * 1e3 / rotate)
+    us = statistics.median(times)
+    flops = 2176.0 * N * H * L * B
+    kv_bytes = B * L * 576 * (1 if fp8 else 2)
+    return dict(B=B, L=L, H=H, N=N, page=page, fp8=fp8, us=round(us, 2), tflops=round(flops / us / 1e6, 1),
+                kv_gbs=round(kv_bytes / us / 1e3, 1), block_n=int(os.environ.get("DDTREE_MLA_BN", "64")))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="")
+    ap.add_argument("--page", type=int, default=64)
+    ap.add_argument("--rotate", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--block-n", default="64", help="comma list of kernel variants to time (64, 32)")
+    ap.add_argument("--fp8", action="store_true")
+    args = ap.parse_args()
+    bw = copy_bandwidth_gbs()
+    rows = []
+    print(f"{torch.cuda.get_device_name()}  copy bandwidth {bw:.0f} GB/s")
+    print(f"{'BN':>3} {'B':>3} {'L':>7} {'H':>4} {'N':>3} {'us':>9} {'TFLOP/s':>8} {'KV GB/s':>8} {'%copyBW':>7}")
+    for bn in args.block_n.split(","):
+        os.environ["DDTREE_MLA_BN"] = bn
+        for B, L, H, N in SHAPES:
+            r = time_shape(B, L, H, N, args.page, args.fp8, args.rotate, args.reps)
+            r["pct_copy_bw"] = round(100 * r["kv_gbs"] / bw, 1)
+            rows.append(r)
+            print(f"{bn:>3} {B:>3} {L:>7} {H:>4} {N:>3} {r['us']:>9.1f} {r['tflops']:>8.1f} {r['kv_gbs']:>8.0f} "
+                  f"{r['pct_copy_bw']:>7.1f}", flush=True)
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), copy_gbs=round(bw, 1), rotate=args.rotate,
+                           method="CUDA-graph replay, median over reps, per call", rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

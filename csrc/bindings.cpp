@@ -1,0 +1,151 @@
+// Torch binding: registers ddtree::mla_tree_verify (CUDA + Meta) so it is callable from compiled models and
+// inside CUDA graphs. Everything decided here comes from shapes, strides and host scalars; nothing reads device data.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+#include "mla_tree_verify.cuh"
+
+namespace {
+
+bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+// SM count of `device`, cached (ATen/cuda/CUDAContext.h would pull in cuSPARSE headers that CPU CI boxes lack).
+int num_sms(int device) {
+  static int cache[64] = {0};
+  if (device < 0 || device >= 64) device = 0;
+  if (cache[device] == 0) {
+    int v = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device));
+    cache[device] = v;
+  }
+  return cache[device];
+}
+
+void mla_tree_verify_cuda(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& kv_cache,
+                          const at::Tensor& block_table, const at::Tensor& seq_lens,
+                          const at::Tensor& query_start_loc, const at::Tensor& tree_bits, double softmax_scale,
+                          double kv_scale, at::Tensor& out, at::Tensor& lse, int64_t max_query_len) {
+  TORCH_CHECK(q_nope.is_cuda() && q_pe.is_cuda() && kv_cache.is_cuda(), "mla_tree_verify: CUDA tensors expected");
+  TORCH_CHECK(q_nope.dim() == 3 && q_nope.size(2) == ddtree::kDV, "q_nope must be [T, H, 512]");
+  TORCH_CHECK(q_pe.dim() == 3 && q_pe.size(2) == ddtree::kDQK - ddtree::kDV, "q_pe must be [T, H, 64]");
+  const int64_t T = q_nope.size(0), H = q_nope.size(1);
+  TORCH_CHECK(q_pe.size(0) == T && q_pe.size(1) == H, "q_pe shape mismatch");
+  TORCH_CHECK(H % 8 == 0 && H >= 8 && H <= 128, "H must be a multiple of 8 in [8, 128]");
+  const auto qdt = q_nope.scalar_type();
+  TORCH_CHECK(qdt == at::kBFloat16 || qdt == at::kHalf, "q must be bf16 or fp16");
+  TORCH_CHECK(q_pe.scalar_type() == qdt, "q_nope and q_pe dtypes differ");
+  TORCH_CHECK(q_nope.stride(2) == 1 && q_pe.stride(2) == 1, "q last dim must be contiguous");
+  TORCH_CHECK(aligned16(q_nope) && aligned16(q_pe) && q_nope.stride(0) % 8 == 0 && q_nope.stride(1) % 8 == 0 &&
+                  q_pe.stride(0) % 8 == 0 && q_pe.stride(1) % 8 == 0,
+              "q rows must be 16-byte aligned");
+
+  TORCH_CHECK(kv_cache.dim() == 3 && kv_cache.size(2) == ddtree::kDQK, "kv_cache must be [blocks, block_size, 576]");
+  const auto kdt = kv_cache.scalar_type();
+  const bool fp8 = kdt == at::kByte || kdt == at::kFloat8_e4m3fn;
+  TORCH_CHECK(fp8 || kdt == at::kBFloat16, "kv_cache must be bf16, or fp8 e4m3 (uint8 / float8_e4m3fn)");
+  const int64_t page = kv_cache.size(1);
+  TORCH_CHECK(page >= 1 && page <= 4096 && (page & (page - 1)) == 0, "block_size must be a power of two");
+  TORCH_CHECK(kv_cache.stride(2) == 1, "kv_cache last dim must be contiguous");
+  const int64_t esz = kv_cache.element_size();
+  TORCH_CHECK(aligned16(kv_cache) && (kv_cache.stride(0) * esz) % 16 == 0 && (kv_cache.stride(1) * esz) % 16 == 0,
+              "kv_cache rows must be 16-byte aligned");
+
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2 && block_table.stride(1) == 1,
+              "block_table must be int32 [B, max_blocks] with contiguous rows");
+  const int64_t B = block_table.size(0);
+  TORCH_CHECK(B >= 1 && B <= 8192, "batch size must be in [1, 8192]");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() && seq_lens.numel() == B,
+              "seq_lens must be int32 [B]");
+  TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && query_start_loc.is_contiguous() &&
+                  query_start_loc.numel() == B + 1,
+              "query_start_loc must be int32 [B+1]");
+  TORCH_CHECK(tree_bits.scalar_type() == at::kLong && tree_bits.is_contiguous() && tree_bits.numel() >= T,
+              "tree_bits must be int64 [T]");
+  TORCH_CHECK(out.dim() == 3 && out.size(0) == T && out.size(1) == H && out.size(2) == ddtree::kDV &&
+                  out.stride(2) == 1,
+              "out must be [T, H, 512] with a contiguous last dim");
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kHalf, "out must be bf16 or fp16");
+  TORCH_CHECK(out.stride(0) % 2 == 0 && out.stride(1) % 2 == 0 && reinterpret_cast<uintptr_t>(out.data_ptr()) % 8 == 0,
+              "out rows must be 8-byte aligned");
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.dim() == 2 && lse.size(0) == T && lse.size(1) == H,
+              "lse must be float32 [T, H]");
+
+  int64_t max_q = max_query_len > 0 ? max_query_len : std::min<int64_t>(T, ddtree::kMaxTreeTokens);
+  TORCH_CHECK(max_q >= 1 && max_q <= ddtree::kMaxTreeTokens, "max_query_len must be in [1, 64]");
+  if (T == 0) return;
+
+  const c10::cuda::CUDAGuard guard(q_nope.device());
+  const int sms = num_sms(q_nope.get_device());
+  const int row_tiles = static_cast<int>((max_q * H + ddtree::kBM - 1) / ddtree::kBM);
+  const int parts = std::max(1, sms / row_tiles);
+
+  ddtree::MlaParams p{};
+  p.q_nope = q_nope.data_ptr();
+  p.q_pe = q_pe.data_ptr();
+  p.q_nope_s0 = q_nope.stride(0);
+  p.q_nope_s1 = q_nope.stride(1);
+  p.q_pe_s0 = q_pe.stride(0);
+  p.q_pe_s1 = q_pe.stride(1);
+  p.q_fp16 = qdt == at::kHalf;
+  p.kv = static_cast<const uint8_t*>(kv_cache.data_ptr());
+  p.kv_page_stride = kv_cache.stride(0) * esz;
+  p.kv_row_stride = kv_cache.stride(1) * esz;
+  p.page_log2 = static_cast<int>(std::log2(static_cast<double>(page)) + 0.5);
+  p.kv_fp8 = fp8;
+  p.block_table = block_table.data_ptr<int>();
+  p.bt_stride = block_table.stride(0);
+  p.seq_lens = seq_lens.data_ptr<int>();
+  p.qsl = query_start_loc.data_ptr<int>();
+  p.tree_bits = tree_bits.data_ptr<int64_t>();
+  p.scale_log2 = static_cast<float>(softmax_scale * kv_scale * 1.4426950408889634);
+  p.kv_scale = static_cast<float>(kv_scale);
+  p.out = out.data_ptr();
+  p.out_s0 = out.stride(0);
+  p.out_s1 = out.stride(1);
+  p.out_fp16 = out.scalar_type() == at::kHalf;
+  p.lse = lse.data_ptr<float>();
+  p.lse_s0 = lse.stride(0);
+  p.lse_s1 = lse.stride(1);
+  p.B = static_cast<int>(B);
+  p.H = static_cast<int>(H);
+  p.max_q = static_cast<int>(max_q);
+  p.num_parts = parts;
+  p.num_row_tiles = row_tiles;
+  p.block_n = ddtree::mla_pick_block_n();
+
+  // Fixed-size scratch (depends only on B, P, max_q, H): allocation is captured once with the graph.
+  const int slots = ddtree::mla_num_slots(p.B, parts);
+  auto iopt = q_nope.options().dtype(at::kInt);
+  auto fopt = q_nope.options().dtype(at::kFloat);
+  at::Tensor sched = at::empty({ddtree::SchedView::size(p.B, parts)}, iopt);
+  at::Tensor ws_o = at::empty({slots, max_q * H, ddtree::kDV}, fopt);
+  at::Tensor ws_lse = at::empty({slots, max_q * H}, fopt);
+  p.sched = sched.data_ptr<int>();
+  p.ws_o = ws_o.data_ptr<float>();
+  p.ws_lse = ws_lse.data_ptr<float>();
+
+  ddtree::launch_mla_tree_verify(p, c10::cuda::getCurrentCUDAStream().stream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void mla_tree_verify_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                          const at::Tensor&, const at::Tensor&, const at::Tensor&, double, double, at::Tensor&,
+                          at::Tensor&, int64_t) {}
+
+}  // namespace
+
+TORCH_LIBRARY(ddtree, m) {
+  m.def(
+      "mla_tree_verify(Tensor q_nope, Tensor q_pe, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
+      "Tensor query_start_loc, Tensor tree_bits, float softmax_scale, float kv_scale, Tensor(a!) out, "
+      "Tensor(b!) lse, int max_query_len=0) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(ddtree, CUDA, m) { m.impl("mla_tree_verify", &mla_tree_verify_cuda); }
+
+TORCH_LIBRARY_IMPL(ddtree, Meta, m) { m.impl("mla_tree_verify", &mla_tree_verify_meta); }

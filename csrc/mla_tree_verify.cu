@@ -1,0 +1,534 @@
+// MLA tree-verify attention, portable mma.sync path (sm_80 / sm_90 / sm_120, <= 99 KB shared memory per block).
+//
+// One CTA owns 64 packed rows r = node*H + head of one request and streams that request's KV tiles (BN tokens)
+// through a cp.async ring of BN x 64-dim chunks: 9 K chunks feed S = Q K^T, then the same tokens' 8 V chunks
+// (the first 512 dims, re-read from L2) feed O += P V. Q (64 x 576 bf16 = 72 KB) stays resident in shared memory.
+// Warps: 4 row groups x 2 halves; for QK the half is a key half, for PV a 32-dim half of each V chunk, so every
+// warp works on every chunk and keeps O[16 x 256] in registers.
+// Split-KV: the device scheduler (mla_tree_verify_sched.cu) hands each part a list of pieces (request, tile range);
+// a request cut into several pieces writes normalized fp32 partials + base-2 lse, merged by the combine kernel.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+
+#include "mla_tree_verify.cuh"
+
+namespace ddtree {
+
+void launch_mla_sched(const MlaParams& p, cudaStream_t stream);
+
+namespace {
+
+constexpr float kLn2 = 0.6931471805599453f;
+
+template <int BN, int STAGES, bool FP8>
+struct KCfg {
+  static constexpr int kThreads = 256;
+  static constexpr int kRowBytes = FP8 ? 64 : 128;  // raw bytes per token in one 64-dim chunk
+  static constexpr int kRawChunk = BN * kRowBytes;
+  static constexpr int kBfChunk = BN * 128;
+  static constexpr int kPStride = BN + 8;  // bf16 elements per sP row (padding avoids ldmatrix bank conflicts)
+  static constexpr int kOffRing = 9 * kBM * 128;  // sQ: 9 swizzled [64 x 64] bf16 chunks = 72 KB
+  static constexpr int kOffConv = kOffRing + STAGES * kRawChunk;
+  static constexpr int kOffP = kOffConv + (FP8 ? kBfChunk : 0);
+  static constexpr int kOffRed = kOffP + kBM * kPStride * 2;
+  static constexpr int kSmem = kOffRed + 2 * kBM * 4;
+  static_assert(kSmem <= 101376, "portable path must fit sm_120's 99 KB per block");
+  static constexpr int kUnitsPerRow = kRowBytes / 16;
+  static constexpr int kUnits = BN * kUnitsPerRow;  // 16-byte cp.async units per chunk
+  static constexpr int kLoadIters = (kUnits + kThreads - 1) / kThreads;
+  static constexpr int kSteps = 17;  // 9 K chunks + 8 V chunks per tile
+  static constexpr int kQKNT = BN / 16;  // 8-key n-tiles per warp in QK (warp covers BN/2 keys)
+  static constexpr int kPVKS = BN / 16;  // 16-key k-steps in PV
+};
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  const int sz = valid ? 16 : 0;  // zero-fill tokens past the end: never read them
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(sz));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// 2^x on the SFU; exact enough for softmax and maps -inf to +0.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+  uint32_t r;
+  memcpy(&r, &v, 4);
+  return r;
+}
+
+// Byte offset of 16-byte unit u of row r in a [rows x 128 B] swizzled chunk.
+__device__ __forceinline__ uint32_t swz(int r, int u) { return r * 128 + ((u ^ (r & 7)) << 4); }
+
+// e4m3 -> bf16 is exact; 16 bytes in, 32 bytes out.
+__device__ __forceinline__ void fp8x16_to_bf16(const uint4 in, uint4 (&outv)[2]) {
+  const uint16_t* pairs = reinterpret_cast<const uint16_t*>(&in);
+  uint32_t w[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(pairs[i], __NV_E4M3);
+    __half2 hh;
+    memcpy(&hh, &h, 4);
+    const float2 f = __half22float2(hh);
+    w[i] = pack_bf16(f.x, f.y);
+  }
+  outv[0] = make_uint4(w[0], w[1], w[2], w[3]);
+  outv[1] = make_uint4(w[4], w[5], w[6], w[7]);
+}
+
+template <int BN, int STAGES, bool FP8>
+__global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams p) {
+  using C = KCfg<BN, STAGES, FP8>;
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int rg = warp >> 1, kh = warp & 1;  // row group (16 rows), key half (QK) / dim half (PV)
+  const int g = lane >> 2, q4 = lane & 3;
+  const int rt = blockIdx.x, part = blockIdx.y;
+
+  const uint32_t sQ = smem_u32(smem);
+  const uint32_t sRing = smem_u32(smem + C::kOffRing);
+  const uint32_t sConv = smem_u32(smem + C::kOffConv);
+  const uint32_t sPu = smem_u32(smem + C::kOffP);
+  __nv_bfloat16* sP = reinterpret_cast<__nv_bfloat16*>(smem + C::kOffP);
+  float* red = reinterpret_cast<float*>(smem + C::kOffRed);
+
+  SchedView sv(p.sched, p.B, p.num_parts);
+  const int pc_begin = sv.part_begin[part], pc_end = sv.part_begin[part + 1];
+  const int page_mask = (1 << p.page_log2) - 1;
+
+  for (int pc = pc_begin; pc < pc_end; ++pc) {
+    const int b = sv.piece_req[pc];
+    const int q0 = p.qsl[b];
+    const int n = p.qsl[b + 1] - q0;
+    const int rows = n * p.H;
+    if (rt * kBM >= rows) continue;  // uniform across the CTA
+    const int L = p.seq_lens[b];
+    const int t0 = sv.piece_t0[pc], t1 = sv.piece_t1[pc];
+    const int slot = sv.piece_slot[pc];
+    const int tree_start = L - n;
+    const int* bt = p.block_table + (int64_t)b * p.bt_stride;
+
+    __syncthreads();  // previous piece is done with sQ / ring / red
+
+    // ---- Q tile -> sQ (swizzled chunks of 64 dims); rows past the request are zero.
+    for (int i = tid; i < kBM * 72; i += C::kThreads) {
+      const int r = i / 72, u = i % 72;
+      const int row = rt * kBM + r;
+      const bool valid = row < rows;
+      const int node = valid ? row / p.H : 0, head = valid ? row % p.H : 0;
+      const int64_t tok = q0 + node;
+      const uint32_t dst = sQ + (u >> 3) * (kBM * 128) + swz(r, u & 7);
+      const uint8_t* src;
+      if (u < 64) {
+        src = reinterpret_cast<const uint8_t*>(p.q_nope) + (tok * p.q_nope_s0 + head * p.q_nope_s1 + u * 8) * 2;
+      } else {
+        src = reinterpret_cast<const uint8_t*>(p.q_pe) + (tok * p.q_pe_s0 + head * p.q_pe_s1 + (u - 64) * 8) * 2;
+      }
+      if (!p.q_fp16) {
+        cp_async16(dst, valid ? src : reinterpret_cast<const uint8_t*>(p.q_nope), valid);
+      } else {
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (valid) {
+          const uint4 h = *reinterpret_cast<const uint4*>(src);
+          const __half2* hh = reinterpret_cast<const __half2*>(&h);
+          float2 f0 = __half22float2(hh[0]), f1 = __half22float2(hh[1]);
+          float2 f2 = __half22float2(hh[2]), f3 = __half22float2(hh[3]);
+          v = make_uint4(pack_bf16(f0.x, f0.y), pack_bf16(f1.x, f1.y), pack_bf16(f2.x, f2.y),
+                         pack_bf16(f3.x, f3.y));
+        }
+        asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
+      }
+    }
+
+    // ---- per-thread KV row pointers for the tile being loaded
+    const uint8_t* rowptr[C::kLoadIters];
+    bool rowok[C::kLoadIters];
+    int nextpage[C::kLoadIters];
+    auto row_of = [&](int it) { return (tid + it * C::kThreads) / C::kUnitsPerRow; };
+    auto unit_of = [&](int it) { return (tid + it * C::kThreads) % C::kUnitsPerRow; };
+    auto set_rows = [&](int tile, const int* pages) {
+#pragma unroll
+      for (int it = 0; it < C::kLoadIters; ++it) {
+        const int tok = tile * BN + row_of(it);
+        rowok[it] = (tid + it * C::kThreads) < C::kUnits && tok < L;
+        rowptr[it] = rowok[it] ? p.kv + (int64_t)pages[it] * p.kv_page_stride + (int64_t)(tok & page_mask) * p.kv_row_stride
+                               : p.kv;
+      }
+    };
+    auto fetch_pages = [&](int tile, int* pages) {
+#pragma unroll
+      for (int it = 0; it < C::kLoadIters; ++it) {
+        const int tok = tile * BN + row_of(it);
+        pages[it] = ((tid + it * C::kThreads) < C::kUnits && tok < L) ? bt[tok >> p.page_log2] : 0;
+      }
+    };
+    auto load_chunk = [&](int dchunk, int wslot) {
+#pragma unroll
+      for (int it = 0; it < C::kLoadIters; ++it) {
+        if ((tid + it * C::kThreads) < C::kUnits) {
+          const int r = row_of(it), u = unit_of(it);
+          const uint32_t dst = sRing + wslot * C::kRawChunk + (FP8 ? (r * 64 + u * 16) : swz(r, u));
+          cp_async16(dst, rowptr[it] + dchunk * C::kRowBytes + u * 16, rowok[it]);
+        }
+      }
+    };
+
+    {
+      int pages[C::kLoadIters];
+      fetch_pages(t0, pages);
+      set_rows(t0, pages);
+    }
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {  // prologue: first STAGES-1 chunks of tile t0 (group 0 also holds Q)
+      load_chunk(s, s);
+      cp_async_commit();
+    }
+
+    // ---- row state: 2 rows per thread (g and g+8 of the warp's 16-row group)
+    const int lrow0 = rg * 16 + g, lrow1 = lrow0 + 8;
+    uint64_t bits[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int row = rt * kBM + (e ? lrow1 : lrow0);
+      bits[e] = row < rows ? static_cast<uint64_t>(p.tree_bits[q0 + row / p.H]) : ~0ull;
+    }
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    float o[8][4][4];
+#pragma unroll
+    for (int c = 0; c < 8; ++c)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[c][j][e] = 0.f;
+
+    int rd_slot = 0;
+    for (int tile = t0; tile < t1; ++tile) {
+      if (tile + 1 < t1) fetch_pages(tile + 1, nextpage);  // used ~15 steps later
+      float s[C::kQKNT][4];
+#pragma unroll
+      for (int j = 0; j < C::kQKNT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
+      uint32_t pa[C::kPVKS][4];
+
+#pragma unroll
+      for (int c = 0; c < C::kSteps; ++c) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        {  // prefetch step c + STAGES - 1 into the slot consumed last step
+          const int cs = c + STAGES - 1;
+          const int ltile = tile + cs / C::kSteps;
+          const int lc = cs % C::kSteps;
+          if (cs == C::kSteps && ltile < t1) set_rows(ltile, nextpage);
+          if (ltile < t1) load_chunk(lc < 9 ? lc : lc - 9, rd_slot == 0 ? STAGES - 1 : rd_slot - 1);
+          cp_async_commit();
+        }
+        uint32_t buf = sRing + rd_slot * C::kRawChunk;
+        if (FP8) {  // widen this chunk to bf16 once, for all warps
+          if (tid < C::kUnits) {
+            const int r = tid / 4, u = tid % 4;
+            uint4 raw;
+            asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                         : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w)
+                         : "r"(buf + r * 64 + u * 16));
+            uint4 w[2];
+            fp8x16_to_bf16(raw, w);
+            asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(sConv + swz(r, 2 * u)), "r"(w[0].x),
+                         "r"(w[0].y), "r"(w[0].z), "r"(w[0].w));
+            asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(sConv + swz(r, 2 * u + 1)), "r"(w[1].x),
+                         "r"(w[1].y), "r"(w[1].z), "r"(w[1].w));
+          }
+          __syncthreads();
+          buf = sConv;
+        }
+        rd_slot = rd_slot + 1 == STAGES ? 0 : rd_slot + 1;
+
+        if (c < 9) {
+          // ---- S[16 x BN/2] += Q[:, chunk c] K_c^T
+#pragma unroll
+          for (int ks = 0; ks < 4; ++ks) {
+            uint32_t a[4];
+            const int ar = rg * 16 + (lane & 15);
+            ldsm_x4(a, sQ + c * (kBM * 128) + swz(ar, ks * 2 + (lane >> 4)));
+#pragma unroll
+            for (int jj = 0; jj < C::kQKNT / 2; ++jj) {
+              const int key = kh * (BN / 2) + jj * 16 + (lane & 7) + ((lane >> 4) << 3);
+              uint32_t bq[4];
+              ldsm_x4(bq, buf + swz(key, ks * 2 + ((lane >> 3) & 1)));
+              mma_bf16(s[2 * jj], a, bq[0], bq[1]);
+              mma_bf16(s[2 * jj + 1], a, bq[2], bq[3]);
+            }
+          }
+          if (c == 8) {
+            // ---- online softmax (log2 domain); tree mask only on tiles that reach the tree keys
+            const int kbase = tile * BN + kh * (BN / 2);
+            const bool masked = (tile + 1) * BN > tree_start;
+            float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+            for (int j = 0; j < C::kQKNT; ++j)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                float v = s[j][e] * p.scale_log2;
+                if (masked) {
+                  const int key = kbase + j * 8 + 2 * q4 + (e & 1);
+                  const int tk = key - tree_start;
+                  const bool vis = key < L && (tk < 0 || ((bits[e >> 1] >> tk) & 1ull));
+                  v = vis ? v : -INFINITY;
+                }
+                s[j][e] = v;
+                mx[e >> 1] = fmaxf(mx[e >> 1], v);
+              }
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 1));
+              mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 2));
+            }
+            if (q4 == 0) {
+              red[kh * kBM + lrow0] = mx[0];
+              red[kh * kBM + lrow1] = mx[1];
+            }
+            __syncthreads();
+            float alpha[2], muse[2];
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const float other = red[(kh ^ 1) * kBM + (e ? lrow1 : lrow0)];
+              const float mnew = fmaxf(m[e], fmaxf(mx[e], other));
+              muse[e] = mnew == -INFINITY ? 0.f : mnew;  // fully masked so far: keep exp2 finite
+              alpha[e] = fast_exp2(m[e] - muse[e]);
+              m[e] = mnew;
+              l[e] *= alpha[e];
+            }
+#pragma unroll
+            for (int j = 0; j < C::kQKNT; ++j) {
+              const float p0 = fast_exp2(s[j][0] - muse[0]), p1 = fast_exp2(s[j][1] - muse[0]);
+              const float p2 = fast_exp2(s[j][2] - muse[1]), p3 = fast_exp2(s[j][3] - muse[1]);
+              l[0] += p0 + p1;
+              l[1] += p2 + p3;
+              const int key = kh * (BN / 2) + j * 8 + 2 * q4;
+              *reinterpret_cast<uint32_t*>(sP + lrow0 * C::kPStride + key) = pack_bf16(p0, p1);
+              *reinterpret_cast<uint32_t*>(sP + lrow1 * C::kPStride + key) = pack_bf16(p2, p3);
+            }
+#pragma unroll
+            for (int vc = 0; vc < 8; ++vc)
+#pragma unroll
+              for (int j = 0; j < 4; ++j) {
+                o[vc][j][0] *= alpha[0];
+                o[vc][j][1] *= alpha[0];
+                o[vc][j][2] *= alpha[1];
+                o[vc][j][3] *= alpha[1];
+              }
+          }
+        } else {
+          // ---- O[16 x (chunk vc, dim half kh)] += P[16 x BN] V_vc
+          const int vc = c - 9;
+          if (vc == 0) {
+#pragma unroll
+            for (int ks = 0; ks < C::kPVKS; ++ks) {
+              const int pr = rg * 16 + (lane & 15);
+              ldsm_x4(pa[ks], sPu + pr * (C::kPStride * 2) + ((ks * 2 + (lane >> 4)) << 4));
+            }
+          }
+#pragma unroll
+          for (int ks = 0; ks < C::kPVKS; ++ks) {
+#pragma unroll
+            for (int jj = 0; jj < 2; ++jj) {
+              const int key = ks * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+              const int unit = kh * 4 + jj * 2 + (lane >> 4);
+              uint32_t bv[4];
+              ldsm_x4_t(bv, buf + swz(key, unit));
+              mma_bf16(o[vc][2 * jj], pa[ks], bv[0], bv[1]);
+              mma_bf16(o[vc][2 * jj + 1], pa[ks], bv[2], bv[3]);
+            }
+          }
+        }
+      }
+    }
+
+    // ---- epilogue: full row sums, normalize, write
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      l[e] += __shfl_xor_sync(0xffffffffu, l[e], 1);
+      l[e] += __shfl_xor_sync(0xffffffffu, l[e], 2);
+    }
+    __syncthreads();  // red is free (last read before the V steps' barriers), but keep writers after all readers
+    if (q4 == 0) {
+      red[kh * kBM + lrow0] = l[0];
+      red[kh * kBM + lrow1] = l[1];
+    }
+    __syncthreads();
+    float inv[2], lse2[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float lt = l[e] + red[(kh ^ 1) * kBM + (e ? lrow1 : lrow0)];
+      inv[e] = lt > 0.f ? p.kv_scale / lt : 0.f;
+      lse2[e] = lt > 0.f ? m[e] + log2f(lt) : -INFINITY;
+    }
+    const int rstride = p.max_q * p.H;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int row = rt * kBM + (e ? lrow1 : lrow0);
+      if (row >= rows) continue;
+      const int node = row / p.H, head = row % p.H;
+      const int64_t tok = q0 + node;
+      if (slot < 0) {
+        char* orow = reinterpret_cast<char*>(p.out) + (tok * p.out_s0 + head * p.out_s1) * 2;
+#pragma unroll
+        for (int vc = 0; vc < 8; ++vc)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int d = vc * 64 + kh * 32 + j * 8 + 2 * q4;
+            const float x0 = o[vc][j][2 * e] * inv[e], x1 = o[vc][j][2 * e + 1] * inv[e];
+            uint32_t w;
+            if (p.out_fp16) {
+              __half2 h = __floats2half2_rn(x0, x1);
+              memcpy(&w, &h, 4);
+            } else {
+              w = pack_bf16(x0, x1);
+            }
+            *reinterpret_cast<uint32_t*>(orow + d * 2) = w;
+          }
+        if (kh == 0 && q4 == 0) p.lse[tok * p.lse_s0 + head * p.lse_s1] = lse2[e] * kLn2;
+      } else {
+        float* wrow = p.ws_o + ((int64_t)slot * rstride + row) * kDV;
+#pragma unroll
+        for (int vc = 0; vc < 8; ++vc)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int d = vc * 64 + kh * 32 + j * 8 + 2 * q4;
+            *reinterpret_cast<float2*>(wrow + d) = make_float2(o[vc][j][2 * e] * inv[e], o[vc][j][2 * e + 1] * inv[e]);
+          }
+        if (kh == 0 && q4 == 0) p.ws_lse[(int64_t)slot * rstride + row] = lse2[e];
+      }
+    }
+  }
+}
+
+// One warp per (request, row): merges the request's split partials by log-sum-exp. Fixed order: deterministic.
+__global__ void __launch_bounds__(256) mla_combine_kernel(const MlaParams p) {
+  const int b = blockIdx.x;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int row = blockIdx.y * 8 + warp;
+  const int q0 = p.qsl[b];
+  const int n = p.qsl[b + 1] - q0;
+  if (row >= n * p.H) return;
+  SchedView sv(p.sched, p.B, p.num_parts);
+  const int np = sv.req_npieces[b];
+  if (np <= 1) return;
+  const int slot0 = sv.req_slot0[b];
+  const int rstride = p.max_q * p.H;
+  float mx = -INFINITY;
+  for (int i = lane; i < np; i += 32) mx = fmaxf(mx, p.ws_lse[(int64_t)(slot0 + i) * rstride + row]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  const float mu = mx == -INFINITY ? 0.f : mx;
+  float sum = 0.f;
+  for (int i = lane; i < np; i += 32) sum += exp2f(p.ws_lse[(int64_t)(slot0 + i) * rstride + row] - mu);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  float4 acc[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int i = 0; i < np; ++i) {
+    const int64_t base = (int64_t)(slot0 + i) * rstride + row;
+    const float w = exp2f(p.ws_lse[base] - mu) * inv;
+    const float4* src = reinterpret_cast<const float4*>(p.ws_o + base * kDV);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float4 v = src[lane + 32 * k];
+      acc[k].x += w * v.x;
+      acc[k].y += w * v.y;
+      acc[k].z += w * v.z;
+      acc[k].w += w * v.w;
+    }
+  }
+  const int node = row / p.H, head = row % p.H;
+  const int64_t tok = q0 + node;
+  char* orow = reinterpret_cast<char*>(p.out) + (tok * p.out_s0 + head * p.out_s1) * 2;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int d = (lane + 32 * k) * 4;
+    uint2 w;
+    if (p.out_fp16) {
+      __half2 h0 = __floats2half2_rn(acc[k].x, acc[k].y), h1 = __floats2half2_rn(acc[k].z, acc[k].w);
+      memcpy(&w.x, &h0, 4);
+      memcpy(&w.y, &h1, 4);
+    } else {
+      w.x = pack_bf16(acc[k].x, acc[k].y);
+      w.y = pack_bf16(acc[k].z, acc[k].w);
+    }
+    *reinterpret_cast<uint2*>(orow + d * 2) = w;
+  }
+  if (lane == 0) p.lse[tok * p.lse_s0 + head * p.lse_s1] = sum > 0.f ? (mu + log2f(sum)) * kLn2 : -INFINITY;
+}
+
+template <int BN, int STAGES, bool FP8>
+void launch_main(const MlaParams& p, cudaStream_t stream) {
+  using C = KCfg<BN, STAGES, FP8>;
+  auto kern = mla_tree_verify_kernel<BN, STAGES, FP8>;
+  static bool attr_set = false;  // once per process; not a stream op, harmless during graph capture
+  if (!attr_set) {
+    cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
+    attr_set = true;
+  }
+  dim3 grid(p.num_row_tiles, p.num_parts);
+  kern<<<grid, C::kThreads, C::kSmem, stream>>>(p);
+}
+
+}  // namespace
+
+int mla_pick_block_n() {
+  const char* env = std::getenv("DDTREE_MLA_BN");
+  if (env != nullptr && std::atoi(env) == 32) return 32;
+  return 64;
+}
+
+void launch_mla_tree_verify(const MlaParams& p, cudaStream_t stream) {
+  launch_mla_sched(p, stream);
+  if (p.block_n == 32) {
+    if (p.kv_fp8) launch_main<32, 4, true>(p, stream);
+    else launch_main<32, 4, false>(p, stream);
+  } else {
+    if (p.kv_fp8) launch_main<64, 2, true>(p, stream);
+    else launch_main<64, 2, false>(p, stream);
+  }
+  dim3 cgrid(p.B, (p.max_q * p.H + 7) / 8);
+  mla_combine_kernel<<<cgrid, 256, 0, stream>>>(p);
+}
+
+}  // namespace ddtree

@@ -1,0 +1,82 @@
+// MLA tree-verify attention: shared declarations for the kernels (.cu) and the torch binding (.cpp).
+// Kept free of torch headers so the .cu files compile with plain nvcc (CI build test).
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime.h>
+
+namespace ddtree {
+
+constexpr int kDQK = 576;        // 512 latent + 64 rope
+constexpr int kDV = 512;         // output / value width
+constexpr int kBM = 64;          // packed (node, head) rows per CTA
+constexpr int kSchedOverhead = 5;  // per-piece cost in KV tiles, used by the device scheduler
+constexpr int kMaxTreeTokens = 64;  // tree_bits is one uint64 per query
+
+// Device scheduler output, one int32 buffer. MP = B + P pieces at most (each piece ends a request or a part).
+struct SchedView {
+  int* part_begin;   // [P+1] piece range of each part
+  int* piece_req;    // [MP]
+  int* piece_t0;     // [MP] first KV tile
+  int* piece_t1;     // [MP] one past the last KV tile
+  int* piece_slot;   // [MP] workspace slot for split requests, -1 when the request has a single piece
+  int* req_npieces;  // [B]
+  int* req_slot0;    // [B] workspace slot of the request's first piece
+  __host__ __device__ SchedView(int* base, int B, int P) {
+    const int mp = B + P;
+    part_begin = base;
+    piece_req = part_begin + P + 1;
+    piece_t0 = piece_req + mp;
+    piece_t1 = piece_t0 + mp;
+    piece_slot = piece_t1 + mp;
+    req_npieces = piece_slot + mp;
+    req_slot0 = req_npieces + B;
+  }
+  static __host__ __device__ int64_t size(int B, int P) { return (P + 1) + 4 * (int64_t)(B + P) + 2 * (int64_t)B; }
+};
+
+struct MlaParams {
+  // queries, element strides, 16-byte aligned rows
+  const void* q_nope;
+  const void* q_pe;
+  int64_t q_nope_s0, q_nope_s1, q_pe_s0, q_pe_s1;
+  bool q_fp16;
+  // paged cache, byte strides
+  const uint8_t* kv;
+  int64_t kv_page_stride, kv_row_stride;
+  int page_log2;
+  bool kv_fp8;
+  const int* block_table;
+  int64_t bt_stride;
+  const int* seq_lens;
+  const int* qsl;
+  const int64_t* tree_bits;
+  float scale_log2;  // softmax_scale * kv_scale * log2(e)
+  float kv_scale;
+  // outputs
+  void* out;
+  int64_t out_s0, out_s1;
+  bool out_fp16;
+  float* lse;
+  int64_t lse_s0, lse_s1;
+  // fixed launch geometry (host-known, never derived from seq_lens values)
+  int B, H, max_q, num_parts, num_row_tiles;
+  int* sched;
+  float* ws_o;    // [num_slots, max_q*H, 512] normalized fp32 partials
+  float* ws_lse;  // [num_slots, max_q*H] base-2 lse of the partials
+  int block_n;    // KV tile width of the chosen kernel variant (the scheduler plans in these tiles)
+};
+
+// Number of workspace slots needed for P parts and B requests (split pieces <= 2(P-1)).
+inline int mla_num_slots(int B, int P) {
+  const int a = B + P, b = 2 * P;
+  return a < b ? a : b;
+}
+
+// Picks the kernel variant: returns its KV tile width (64 or 32); env DDTREE_MLA_BN overrides.
+int mla_pick_block_n();
+
+// Launches scheduler, main kernel and combine on `stream`. No host synchronization, no host reads of device data.
+void launch_mla_tree_verify(const MlaParams& p, cudaStream_t stream);
+
+}  // namespace ddtree

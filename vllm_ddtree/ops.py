@@ -1,0 +1,118 @@
+"""Python face of the CUDA ops in ``csrc/``: lazy ninja build (cached under ~/.cache), checks, ``ddtree::`` op calls.
+
+Importing this module never compiles or touches CUDA, so it is safe on CPU-only machines; the extension is built on
+first use (or by :func:`load_extension`) and registers ``torch.ops.ddtree.mla_tree_verify`` through TORCH_LIBRARY,
+which makes the op usable inside ``torch.compile`` graphs and CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+_SOURCES = ("bindings.cpp", "mla_tree_verify.cu", "mla_tree_verify_sched.cu")
+_HEADERS = ("mla_tree_verify.cuh",)
+_lock = threading.Lock()
+_loaded = False
+
+
+def csrc_dir() -> Path:
+    """Kernel sources: packaged copy (``vllm_ddtree/csrc``) first, else the repository's ``csrc/``."""
+    here = Path(__file__).resolve().parent
+    for cand in (here / "csrc", here.parent / "csrc"):
+        if (cand / _SOURCES[0]).is_file():
+            return cand
+    raise FileNotFoundError("vllm_ddtree: csrc/ sources not found next to the package")
+
+
+def _build_dir(src: Path, arch_list: str) -> tuple[str, Path]:
+    """Cache key: source contents + arch list + torch/CUDA versions, so a stale build is never loaded."""
+    h = hashlib.sha256()
+    for name in _SOURCES + _HEADERS:
+        h.update(name.encode())
+        h.update((src / name).read_bytes())
+    h.update(f"{arch_list}|{torch.__version__}|{torch.version.cuda}".encode())
+    key = h.hexdigest()[:16]
+    root = Path(os.environ.get("VLLM_DDTREE_CACHE", Path.home() / ".cache" / "vllm-ddtree")) / "torch_ext"
+    d = root / f"ddtree_C_{key}"
+    d.mkdir(parents=True, exist_ok=True)
+    return f"ddtree_C_{key}", d
+
+
+def load_extension(verbose: bool = False) -> None:
+    """Builds (once, cached) and loads the extension, which registers the ``torch.ops.ddtree`` ops."""
+    global _loaded
+    if _loaded:
+        return
+    with _lock:
+        if _loaded:
+            return
+        from torch.utils.cpp_extension import load
+
+        src = csrc_dir()
+        arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
+        if not arch_list and torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability()
+            arch_list = f"{major}.{minor}"
+            os.environ["TORCH_CUDA_ARCH_LIST"] = arch_list
+        name, bdir = _build_dir(src, arch_list)
+        load(
+            name=name,
+            sources=[str(src / s) for s in _SOURCES],
+            extra_cflags=["-O3", "-std=c++17"],
+            extra_cuda_cflags=["-O3", "-std=c++17", "-lineinfo", "--threads=4"],
+            build_directory=str(bdir),
+            is_python_module=False,
+            verbose=verbose,
+        )
+        _loaded = True
+
+
+def mla_tree_verify(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    tree_bits: torch.Tensor,
+    softmax_scale: float,
+    kv_scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    max_query_len: int | None = None,
+) -> None:
+    """Absorbed-MLA attention of draft-tree queries over a paged latent cache, written into ``out`` and ``lse``.
+
+    Shapes: q_nope [T,H,512], q_pe [T,H,64] (bf16/fp16, strided views fine), kv_cache [blocks, block_size, 576]
+    (bf16, or fp8 e4m3 as uint8 with ``kv_scale``), block_table [B, max_blocks] int32, seq_lens [B] int32 (tree
+    tokens included; they are the last q_len keys), query_start_loc [B+1] int32, tree_bits [T] int64 (bit j: the
+    query sees its request's tree key j), out [T,H,512], lse [T,H] float32 (natural log). Requests with q_len 0 write
+    nothing. ``max_query_len`` (host int, >= every request's q_len, <= 64) sizes the grid; without it min(T, 64) is
+    used, which is correct but launches idle CTAs for batches of many short requests.
+    """
+    if q_nope.dim() != 3 or q_nope.shape[-1] != 512 or q_pe.shape[-1] != 64:
+        raise ValueError(f"q_nope must be [T,H,512] and q_pe [T,H,64], got {tuple(q_nope.shape)}, {tuple(q_pe.shape)}")
+    if kv_cache.dim() != 3 or kv_cache.shape[-1] != 576:
+        raise ValueError(f"kv_cache must be [blocks, block_size, 576], got {tuple(kv_cache.shape)}")
+    if kv_cache.dtype == torch.float8_e4m3fn:
+        kv_cache = kv_cache.view(torch.uint8)
+    load_extension()
+    torch.ops.ddtree.mla_tree_verify(
+        q_nope,
+        q_pe,
+        kv_cache,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        tree_bits,
+        float(softmax_scale),
+        float(kv_scale),
+        out,
+        lse,
+        int(max_query_len or 0),
+    )
