@@ -1,0 +1,54 @@
+"""Plugin loading: entry point, version guard, idempotent registration."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+
+import pytest
+
+import vllm_ddtree.plugin as plugin
+
+
+def test_entry_point_is_listed() -> None:
+    eps = importlib.metadata.entry_points(group="vllm.general_plugins")
+    assert {ep.name: ep.value for ep in eps}.get("ddtree") == "vllm_ddtree.plugin:register"
+
+
+@pytest.mark.parametrize(
+    ("version", "ok"),
+    [("0.26.0", True), ("0.26.0+cpu", True), ("0.26.0+cu130", True), ("0.26.1", False), ("0.25.0", False),
+     ("0.26.0rc1", False), ("0.26.0.dev3", False), ("0.26.0.post1", False), ("garbage", False)],
+)
+def test_version_guard(version: str, ok: bool) -> None:
+    assert plugin.is_supported_version(version) is ok
+
+
+def test_register_is_idempotent() -> None:
+    from vllm.config import SpeculativeConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    plugin.register()
+    patched = EngineArgs.create_speculative_config
+    orig = EngineArgs._orig_create_speculative_config
+    plugin._state["registered"] = False  # a second process-level call (e.g. after fork) must not double-wrap
+    plugin.register()
+    plugin.register()
+    assert EngineArgs.create_speculative_config is patched
+    assert EngineArgs._orig_create_speculative_config is orig
+    assert isinstance(SpeculativeConfig._orig_max_num_new_slots_for_drafting, property)
+
+
+def test_other_vllm_versions_are_refused_with_one_error(monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(plugin, "installed_vllm_version", lambda: "0.27.0")
+    monkeypatch.setattr(plugin, "_state", {"registered": False, "refused": False})
+    applied = []
+    monkeypatch.setattr("vllm_ddtree.patches.config.apply", lambda: applied.append(1))
+    with caplog.at_level(logging.ERROR, logger="vllm_ddtree"):
+        plugin.register()
+        plugin.register()
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1
+    assert "supports vLLM 0.26.0 only, but vLLM 0.27.0 is installed" in errors[0].getMessage()
+    assert applied == []

@@ -1,0 +1,101 @@
+"""Tiny Qwen3 target + DFlash drafter written to disk with saved random weights, for engine tests without a hub.
+
+Weights are random but *peaky* (large output-projection scale) so greedy decoding has clear winners: exact-equality
+tests on ``load_format="dummy"`` weights would compare near-ties. Everything is float32 and seeded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+VOCAB = 1024
+HIDDEN = 128
+TARGET_LAYERS = 4
+HEADS = 4
+KV_HEADS = 2
+HEAD_DIM = 32
+FFN = 256
+MASK_TOKEN_ID = VOCAB - 1
+
+
+def _qwen3_keys(num_layers: int, hidden: int) -> dict:
+    return {
+        "hidden_size": hidden,
+        "intermediate_size": FFN,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+    }
+
+
+def _layer_weights(prefix: str, gen: torch.Generator, scale: float) -> dict[str, torch.Tensor]:
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * scale / shape[-1] ** 0.5
+
+    return {
+        f"{prefix}self_attn.q_proj.weight": rand(HEADS * HEAD_DIM, HIDDEN),
+        f"{prefix}self_attn.k_proj.weight": rand(KV_HEADS * HEAD_DIM, HIDDEN),
+        f"{prefix}self_attn.v_proj.weight": rand(KV_HEADS * HEAD_DIM, HIDDEN),
+        f"{prefix}self_attn.o_proj.weight": rand(HIDDEN, HEADS * HEAD_DIM),
+        f"{prefix}self_attn.q_norm.weight": torch.ones(HEAD_DIM),
+        f"{prefix}self_attn.k_norm.weight": torch.ones(HEAD_DIM),
+        f"{prefix}mlp.gate_proj.weight": rand(FFN, HIDDEN),
+        f"{prefix}mlp.up_proj.weight": rand(FFN, HIDDEN),
+        f"{prefix}mlp.down_proj.weight": rand(HIDDEN, FFN),
+        f"{prefix}input_layernorm.weight": torch.ones(HIDDEN),
+        f"{prefix}post_attention_layernorm.weight": torch.ones(HIDDEN),
+    }
+
+
+def write_target(path: Path, seed: int = 0) -> Path:
+    """A 4-layer Qwen3ForCausalLM with peaky logits (lm_head scale 8 over unit-RMS hidden states)."""
+    path.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    weights = {"model.embed_tokens.weight": torch.randn(VOCAB, HIDDEN, generator=gen)}
+    for i in range(TARGET_LAYERS):
+        weights.update(_layer_weights(f"model.layers.{i}.", gen, scale=1.0))
+    weights["model.norm.weight"] = torch.ones(HIDDEN)
+    weights["lm_head.weight"] = torch.randn(VOCAB, HIDDEN, generator=gen) * 8.0 / HIDDEN**0.5
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(path / "model.safetensors"))
+    config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **_qwen3_keys(TARGET_LAYERS, HIDDEN)}
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+def write_dflash_drafter(
+    path: Path, block_size: int = 8, target_layer_ids: tuple[int, ...] = (1, 2), seed: int = 1
+) -> Path:
+    """A 1-layer DFlashDraftModel that vLLM 0.26's qwen3_dflash loader reads (embed/lm_head shared with the target)."""
+    path.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    weights = _layer_weights("layers.0.", gen, scale=1.0)
+    weights["fc.weight"] = torch.randn(HIDDEN, HIDDEN * len(target_layer_ids), generator=gen) / HIDDEN**0.5
+    weights["hidden_norm.weight"] = torch.ones(HIDDEN)
+    weights["norm.weight"] = torch.ones(HIDDEN)
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(path / "model.safetensors"))
+    config = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        **_qwen3_keys(1, HIDDEN),
+        "block_size": block_size,
+        "num_target_layers": TARGET_LAYERS,
+        "target_hidden_size": HIDDEN,
+        "dflash_config": {"mask_token_id": MASK_TOKEN_ID, "target_layer_ids": list(target_layer_ids)},
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path

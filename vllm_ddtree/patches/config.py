@@ -1,0 +1,124 @@
+"""Process-0 config seams: accept ``method="ddtree"`` and size vLLM's scheduler for trees.
+
+* ``EngineArgs.create_speculative_config``: turn the user's ddtree dict into vLLM's DFlash config plus an attached
+  :class:`~vllm_ddtree.config.DDTreeConfig` (``SpeculativeConfig.ddtree``), and pick Model Runner V2 on CUDA.
+* ``SpeculativeConfig.max_num_new_slots_for_drafting``: a DDTree drafter adds ``max_depth - 1`` mask tokens per
+  request, not ``budget - 1`` as a DFlash chain of the same width would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any
+
+from vllm_ddtree.config import (
+    METHOD,
+    DDTreeConfigError,
+    check_parallel_config,
+    drafter_block_size,
+    get_ddtree_config,
+    resolve_ddtree_config,
+    split_speculative_config,
+)
+from vllm_ddtree.patches import patch_attr
+
+logger = logging.getLogger("vllm_ddtree")
+
+V2_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+_SHORTHANDS = (("spec_method", "method"), ("spec_model", "model"), ("spec_tokens", "num_speculative_tokens"))
+
+
+def _requests_ddtree(engine_args: Any) -> bool:
+    spec = engine_args.speculative_config
+    return engine_args.spec_method == METHOD or (isinstance(spec, dict) and spec.get("method") == METHOD)
+
+
+def _merged_user_dict(engine_args: Any) -> dict[str, Any]:
+    """The user's ddtree dict with the --spec-* shorthands folded in (they conflict with the same dict key)."""
+    merged = dict(engine_args.speculative_config or {})
+    for attr, key in _SHORTHANDS:
+        value = getattr(engine_args, attr)
+        if value is None:
+            continue
+        if key in merged:
+            raise DDTreeConfigError(
+                f"--{attr.replace('_', '-')} and --speculative-config['{key}'] are both set; keep only one of them."
+            )
+        merged[key] = value
+    return merged
+
+
+def _select_model_runner_v2() -> None:
+    """On CUDA the ddtree path lives on Model Runner V2; children inherit the variable before envs are frozen."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda():
+        return
+    current = os.environ.get(V2_ENV)
+    if current is not None and current.strip().lower() in ("0", "false"):
+        raise DDTreeConfigError(
+            f"ddtree runs on vLLM's Model Runner V2 on GPUs, but {V2_ENV}={current} asks for V1; "
+            f"unset it or set it to 1."
+        )
+    os.environ[V2_ENV] = "1"
+    import vllm.envs as envs
+
+    if envs._is_envs_cache_enabled():
+        envs.__getattr__.cache_clear()
+
+
+def create_speculative_config(self: Any, target_model_config: Any, target_parallel_config: Any) -> Any:
+    """EngineArgs.create_speculative_config, accepting ``{"method": "ddtree", ...}``."""
+    from vllm.config import SpeculativeConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    orig = EngineArgs._orig_create_speculative_config
+    if not _requests_ddtree(self):
+        return orig(self, target_model_config, target_parallel_config)
+
+    field_names = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+    vllm_dict, request = split_speculative_config(_merged_user_dict(self), field_names)
+    check_parallel_config(target_parallel_config)
+    _select_model_runner_v2()
+
+    # Call vLLM with the DFlash dict, then restore the user's values: EngineArgs may build configs more than once.
+    saved = {"speculative_config": self.speculative_config, **{a: getattr(self, a) for a, _ in _SHORTHANDS}}
+    try:
+        self.speculative_config = vllm_dict
+        for attr, _ in _SHORTHANDS:
+            setattr(self, attr, None)
+        spec_config = orig(self, target_model_config, target_parallel_config)
+    finally:
+        for attr, value in saved.items():
+            setattr(self, attr, value)
+
+    draft_hf = spec_config.draft_model_config.hf_config if spec_config.draft_model_config else None
+    spec_config.ddtree = resolve_ddtree_config(request, drafter_block_size(draft_hf))
+    logger.warning(
+        "vllm-ddtree %s: %s. The tree speculator is not wired into the model runner yet, so this build decodes "
+        "with the DFlash chain of the same width.",
+        METHOD,
+        spec_config.ddtree,
+    )
+    return spec_config
+
+
+def _max_num_new_slots_for_drafting(self: Any) -> int:
+    """SpeculativeConfig.max_num_new_slots_for_drafting, sized by tree depth for DDTree."""
+    from vllm.config import SpeculativeConfig
+
+    ddtree = get_ddtree_config(self)
+    if ddtree is None:
+        return SpeculativeConfig._orig_max_num_new_slots_for_drafting.fget(self)
+    return ddtree.max_depth - 1
+
+
+def apply() -> None:
+    """Install the process-0 config patches (harmless in every other process)."""
+    from vllm.config import SpeculativeConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    patch_attr(EngineArgs, "create_speculative_config", create_speculative_config)
+    patch_attr(SpeculativeConfig, "max_num_new_slots_for_drafting", property(_max_num_new_slots_for_drafting))

