@@ -1,4 +1,5 @@
-"""Tiny Qwen3 target + DFlash drafter written to disk with saved random weights, for engine tests without a hub.
+"""Tiny Qwen3 target + DFlash drafter (+ tokenizer) written to disk with saved random weights, for engine tests and
+the smoke demo without a model hub.
 
 Weights are random but *peaky* (large output-projection scale) so greedy decoding has clear winners: exact-equality
 tests on ``load_format="dummy"`` weights would compare near-ties. Everything is float32 and seeded.
@@ -6,7 +7,9 @@ tests on ``load_format="dummy"`` weights would compare near-ties. Everything is 
 
 from __future__ import annotations
 
+import inspect
 import json
+import random
 from pathlib import Path
 
 import torch
@@ -99,3 +102,38 @@ def write_dflash_drafter(
     }
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
+
+
+def write_tokenizer(path: Path) -> Path:
+    """A byte-level BPE tokenizer with exactly VOCAB ids, trained on Python's own ``random`` module source (offline).
+
+    Id 0 is ``<|endoftext|>`` (bos/eos) and the last id is the DFlash mask token ``<|mask|>``.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB - 1,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(inspect.getsource(random).splitlines(), trainer=trainer)
+    filler = [f"<|x{i}|>" for i in range(VOCAB - 1 - tokenizer.get_vocab_size())]
+    tokenizer.add_special_tokens([*filler, "<|mask|>"])
+    assert tokenizer.get_vocab_size() == VOCAB and tokenizer.token_to_id("<|mask|>") == MASK_TOKEN_ID
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<|endoftext|>", eos_token="<|endoftext|>")
+    fast.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    fast.save_pretrained(str(path))
+    return path
+
+
+def write_tiny_pair(root: Path, block_size: int = 8) -> tuple[Path, Path]:
+    """Target (with tokenizer) and DFlash drafter under ``root``; returns (target, drafter)."""
+    target = write_target(root / "target")
+    write_tokenizer(target)
+    return target, write_dflash_drafter(root / "drafter", block_size=block_size)
