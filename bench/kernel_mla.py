@@ -12,8 +12,12 @@ import math
 import os
 import random
 import statistics
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 SHAPES = [(1, 32768, 64, 16), (1, 32768, 64, 64), (1, 131072, 64, 16), (1, 32768, 128, 16), (8, 8192, 64, 16),
           (32, 4096, 16, 16)]
