@@ -1,7 +1,8 @@
 """Time DDTree's per-step tree ops on the GPU under CUDA-graph replay, against the heap reference on the CPU.
 
-Ops: tree build (fused Triton kernel and the pure-torch path), acceptance walk, KV compaction (DeepSeek-V3 MLA cache,
-61 layers, and a Qwen3-8B GQA cache, 36 layers), and the three together as one graph. Prints a table and writes JSON.
+Ops: tree build and acceptance walk (fused Triton kernels and the pure-torch paths), KV compaction (DeepSeek-V3
+MLA cache, 61 layers, and a Qwen3-8B GQA cache, 36 layers), and the three together as one graph. Prints a table
+and writes JSON.
 
     python bench/tree_ops.py --out bench/results/tree_ops_h200.json
 """
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_ddtree.accept import walk_trees
+from vllm_ddtree.accept import walk_trees, walk_trees_torch
 from vllm_ddtree.kv_compact import KVCompactor
 from vllm_ddtree.tree import build_trees, build_trees_reference, build_trees_torch
 
@@ -100,6 +101,9 @@ def bench_case(batch: int, budget: int, device: str) -> dict:
     row["walk_us"] = gpu_median_us(
         lambda: walk_trees(trees.node_tokens, trees.parents, trees.anc_bits, trees.num_nodes, choices, D)
     )
+    row["walk_torch_us"] = gpu_median_us(
+        lambda: walk_trees_torch(trees.node_tokens, trees.parents, trees.anc_bits, trees.num_nodes, choices, D)
+    )
     paths = walk_trees(trees.node_tokens, trees.parents, trees.anc_bits, trees.num_nodes, choices, D)
     row["mean_accepted"] = paths.num_accepted.float().mean().item()
     query_start_loc = torch.arange(0, (batch + 1) * width, width, dtype=torch.int32, device=device)
@@ -138,7 +142,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench/tree_ops.py times CUDA-graph replays and needs a CUDA GPU")
     rows = [bench_case(b, n, "cuda") for b in args.batches for n in args.budgets]
-    cols = ["batch", "budget", "build_triton_us", "build_torch_us", "walk_us", "compact_mla_61l_us",
+    cols = ["batch", "budget", "build_triton_us", "build_torch_us", "walk_us", "walk_torch_us", "compact_mla_61l_us",
             "compact_gqa_36l_us", "step_build_walk_compact_mla_us", "heap_reference_cpu_us", "mean_accepted"]
     print(" | ".join(f"{c:>14}" for c in cols))
     for r in rows:

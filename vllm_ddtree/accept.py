@@ -26,6 +26,8 @@ Siblings must carry distinct tokens (so at most one child can match), as the tre
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 from torch import Tensor
 
 _WORD_BITS = 64
@@ -54,7 +56,7 @@ def _pack_bits(flags: Tensor, num_words: int) -> Tensor:
     return (padded.view(batch, num_words, _WORD_BITS) * weights).sum(-1)
 
 
-def walk_trees(
+def walk_trees_torch(
     node_tokens: Tensor,
     parents: Tensor,
     anc_bits: Tensor,
@@ -103,6 +105,94 @@ def walk_trees(
     last = accepted_nodes.gather(1, num_accepted.unsqueeze(1))
     out.scatter_(1, num_accepted.unsqueeze(1), target_tokens.gather(1, last))
     return AcceptedPaths(accepted_nodes=accepted_nodes, num_accepted=num_accepted, output_tokens=out[:, :width])
+
+
+@triton.jit
+def _walk_kernel(
+    tok_ptr,
+    par_ptr,
+    anc_ptr,
+    num_ptr,
+    pick_ptr,
+    acc_ptr,
+    num_acc_ptr,
+    out_ptr,
+    max_depth,
+    BUDGET: tl.constexpr,
+    BLOCK: tl.constexpr,
+    COLS: tl.constexpr,
+):
+    """One program per tree, the same ancestor-bitmask test as ``walk_trees_torch`` held in registers."""
+    b = tl.program_id(0).to(tl.int64)
+    width = BUDGET + 1
+    idx = tl.arange(0, BLOCK)
+    in_tree = idx < width
+    parents = tl.load(par_ptr + b * width + idx, mask=in_tree, other=-1)
+    anc = tl.load(anc_ptr + b * width + idx, mask=in_tree, other=0)
+    picks = tl.load(pick_ptr + b * width + idx, mask=in_tree, other=-1)
+    tokens = tl.load(tok_ptr + b * BUDGET + idx - 1, mask=(idx >= 1) & in_tree, other=-1)
+    num_nodes = tl.load(num_ptr + b)
+    parent_pick = tl.load(pick_ptr + b * width + tl.maximum(parents, 0), mask=in_tree, other=-1)
+    matched = (idx == 0) | ((idx <= num_nodes) & (tokens == parent_pick))
+    matched_bits = tl.sum(tl.where(matched, tl.full([BLOCK], 1, tl.int64) << idx.to(tl.int64), 0), axis=0)
+    on_path = in_tree & ((anc & ~matched_bits) == 0)
+    depth = tl.cumsum(on_path.to(tl.int32), axis=0) - 1
+    on_path = on_path & (depth <= max_depth)
+    num_acc = tl.sum(on_path.to(tl.int64), axis=0) - 1
+
+    col = tl.arange(0, COLS)
+    at = on_path[None, :] & (depth[None, :] == col[:, None])  # [COLS, BLOCK]: path node at depth col
+    node_at = tl.sum(tl.where(at, idx[None, :], 0), axis=1)
+    found = tl.sum(at.to(tl.int32), axis=1) > 0
+    tl.store(acc_ptr + b * (max_depth + 1) + col, tl.where(found, node_at, -1), mask=col <= max_depth)
+    tl.store(num_acc_ptr + b, num_acc)
+
+    # Output column c < a holds the token of the path node at depth c+1; column a the pick at the last node.
+    out_col = tl.arange(0, BLOCK)
+    token_at = tl.sum(tl.where(on_path[None, :] & (depth[None, :] == out_col[:, None] + 1), tokens[None, :], 0), 1)
+    bonus = tl.sum(tl.where(on_path & (depth == num_acc), picks, 0), axis=0)
+    out = tl.where(out_col < num_acc, token_at, tl.where(out_col == num_acc, bonus, -1))
+    tl.store(out_ptr + b * width + out_col, out, mask=out_col < width)
+
+
+def walk_trees_triton(
+    node_tokens: Tensor, parents: Tensor, anc_bits: Tensor, num_nodes: Tensor, target_tokens: Tensor, max_depth: int
+) -> AcceptedPaths:
+    """Triton path of ``walk_trees`` (CUDA, one-word masks): one launch instead of ~30 small torch kernels."""
+    batch, budget = node_tokens.shape
+    width = budget + 1
+    if anc_bits.dim() != 2:
+        raise ValueError(f"the Triton walk handles one-word ancestor masks (W <= 64), got {tuple(anc_bits.shape)}")
+    device = node_tokens.device
+    accepted_nodes = torch.empty(batch, max_depth + 1, dtype=torch.int64, device=device)
+    num_accepted = torch.empty(batch, dtype=torch.int64, device=device)
+    out = torch.empty(batch, width, dtype=torch.int64, device=device)
+    if batch > 0:
+        _walk_kernel[(batch,)](
+            node_tokens.contiguous(),
+            parents.contiguous(),
+            anc_bits.contiguous(),
+            num_nodes.contiguous(),
+            target_tokens.to(torch.int64).contiguous(),
+            accepted_nodes,
+            num_accepted,
+            out,
+            max_depth,
+            BUDGET=budget,
+            BLOCK=triton.next_power_of_2(width),
+            COLS=triton.next_power_of_2(max_depth + 1),
+            num_warps=2,
+        )
+    return AcceptedPaths(accepted_nodes=accepted_nodes, num_accepted=num_accepted, output_tokens=out)
+
+
+def walk_trees(
+    node_tokens: Tensor, parents: Tensor, anc_bits: Tensor, num_nodes: Tensor, target_tokens: Tensor, max_depth: int
+) -> AcceptedPaths:
+    """The tree walk: the fused Triton kernel on CUDA for one-word masks, else the pure-torch path (same result)."""
+    if node_tokens.is_cuda and anc_bits.dim() == 2:
+        return walk_trees_triton(node_tokens, parents, anc_bits, num_nodes, target_tokens, max_depth)
+    return walk_trees_torch(node_tokens, parents, anc_bits, num_nodes, target_tokens, max_depth)
 
 
 def sample_per_node(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:

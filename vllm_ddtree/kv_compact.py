@@ -28,8 +28,8 @@ from torch import Tensor
 
 # Element type used to move payload bits, by element size in bytes (integer loads and stores keep NaN payloads).
 _BITS_DTYPE = {1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
-# Upper bound on the elements of one program's tile (path rows x payload chunk), to bound register use.
-_TILE_ELEMS = 4096
+# Words one program moves per load/store (a 1152-byte MLA row is 144 int64 words).
+_MAX_CHUNK = 1024
 
 
 def _copy_slots(
@@ -92,37 +92,46 @@ def _compact_kv_kernel(
     stride_offset,
     stride_row,
     row_len,
-    payload_len,
-    BITS: tl.constexpr,
+    WORD: tl.constexpr,
     PATH: tl.constexpr,
+    NUM_ROWS: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
-    """One program per (request, layer, payload chunk): load the chunk of every path row, then store them all."""
+    """One program per (request, layer): copy path rows k = 1..a in ascending k, each row word by word.
+
+    Ascending order is what makes the in-place copy safe: a destination k can only be the source of an earlier
+    copy j < k (p_j = k), which has already been read.  The element-to-thread mapping is the same for every k,
+    so each thread reads a word before it (later) overwrites it; the barrier keeps that true across the loop.
+    Strides and lengths are in WORD units (the widest integer that divides the payload's layout).
+    """
     req = tl.program_id(0)
     layer = tl.program_id(1)
-    chunk = tl.program_id(2)
-
-    depth = 1 + tl.arange(0, PATH).to(tl.int64)
     num_acc = tl.load(num_accepted + req * num_acc_stride).to(tl.int64)
-    node_ptrs = accepted_nodes + req * acc_stride_req + depth * acc_stride_col
-    nodes = tl.load(node_ptrs, mask=depth < num_cols, other=-1).to(tl.int64)
-    valid = (depth <= num_acc) & (nodes >= 0) & (nodes != depth)
     start = tl.load(query_start_loc + req * qsl_stride).to(tl.int64)
-    src = tl.load(slot_mapping + (start + nodes) * slot_stride, mask=valid, other=-1).to(tl.int64)
-    dst = tl.load(slot_mapping + (start + depth) * slot_stride, mask=valid, other=-1).to(tl.int64)
-    valid = valid & (src >= 0) & (dst >= 0)
-    src_base = (src // block_size) * stride_block + (src % block_size) * stride_offset
-    dst_base = (dst // block_size) * stride_block + (dst % block_size) * stride_offset
+    cache = tl.load(layer_ptrs + layer).to(tl.pointer_type(WORD))
+    word = tl.arange(0, CHUNK)
+    for k in range(1, PATH + 1):
+        node = tl.load(accepted_nodes + req * acc_stride_req + k * acc_stride_col, mask=k < num_cols, other=-1)
+        node = node.to(tl.int64)
+        valid = (k <= num_acc) & (node >= 0) & (node != k)
+        src = tl.load(slot_mapping + (start + node) * slot_stride, mask=valid, other=-1).to(tl.int64)
+        dst = tl.load(slot_mapping + (start + k) * slot_stride, mask=valid, other=-1).to(tl.int64)
+        valid = valid & (src >= 0) & (dst >= 0)
+        src_base = cache + (src // block_size) * stride_block + (src % block_size) * stride_offset
+        dst_base = cache + (dst // block_size) * stride_block + (dst % block_size) * stride_offset
+        for row in range(NUM_ROWS):
+            for first in range(0, row_len, CHUNK):
+                mask = valid & (first + word < row_len)
+                offs = row * stride_row + first + word
+                tl.store(dst_base + offs, tl.load(src_base + offs, mask=mask), mask=mask)
+        tl.debug_barrier()
 
-    elem = chunk * CHUNK + tl.arange(0, CHUNK).to(tl.int64)
-    elem_off = (elem // row_len) * stride_row + elem % row_len
-    mask = valid[:, None] & (elem < payload_len)[None, :]
 
-    cache = tl.load(layer_ptrs + layer).to(tl.pointer_type(BITS))
-    rows = tl.load(cache + src_base[:, None] + elem_off[None, :], mask=mask)
-    # A destination may be another row's source: every thread's reads must finish before any thread writes.
-    tl.debug_barrier()
-    tl.store(cache + dst_base[:, None] + elem_off[None, :], rows, mask=mask)
+def _word_bytes(cache: Tensor) -> int:
+    """Widest integer (8, 4, 2 or 1 bytes) that tiles the payload rows and every stride of ``cache``."""
+    size = cache.element_size()
+    extents = [cache.shape[-1] * size, cache.data_ptr()] + [st * size for st in cache.stride()[:-1]]
+    return next(w for w in (8, 4, 2, 1) if w >= size and all(e % w == 0 for e in extents))
 
 
 class KVCompactor:
@@ -160,6 +169,7 @@ class KVCompactor:
             raise ValueError(f"at most one payload dim besides the last is supported; cache shape is {first.shape}")
         if first.element_size() not in _BITS_DTYPE:
             raise ValueError(f"unsupported KV cache element size {first.element_size()}")
+        word = min(_word_bytes(c) for c in caches)
         if max_num_reqs < 1 or max_path_len < 1:
             raise ValueError(f"max_num_reqs={max_num_reqs} and max_path_len={max_path_len} must be positive")
 
@@ -171,13 +181,16 @@ class KVCompactor:
         self._use_triton = first.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
         # The caches are persistent, so their base addresses can live in a device table built once.
         self._layer_ptrs = torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64, device=first.device)
+        # Addresses are computed in words of `word` bytes: fewer, wider loads and stores per KV row.
+        scale = word // first.element_size()
         row_dim = row_dims[0] if row_dims else None
+        self._word = _BITS_DTYPE[word]
         self._num_rows = first.shape[row_dim] if row_dim is not None else 1
-        self._stride_row = first.stride(row_dim) if row_dim is not None else 0
-        self._path_tile = triton.next_power_of_2(max_path_len)
-        payload_len = self._num_rows * first.shape[-1]
-        self._chunk = min(triton.next_power_of_2(payload_len), max(16, _TILE_ELEMS // self._path_tile))
-        self._num_chunks = triton.cdiv(payload_len, self._chunk)
+        self._stride_row = first.stride(row_dim) // scale if row_dim is not None else 0
+        self._stride_block = first.stride(block_dim) // scale
+        self._stride_offset = first.stride(offset_dim) // scale
+        self._row_len = first.shape[-1] // scale
+        self._chunk = min(triton.next_power_of_2(self._row_len), _MAX_CHUNK)
 
     def __call__(
         self, slot_mapping: Tensor, query_start_loc: Tensor, accepted_nodes: Tensor, num_accepted: Tensor
@@ -202,9 +215,7 @@ class KVCompactor:
             return
         if batch == 0:
             return
-        first = self._caches[0]
-        grid = (batch, len(self._caches), self._num_chunks)
-        _compact_kv_kernel[grid](
+        _compact_kv_kernel[(batch, len(self._caches))](
             self._layer_ptrs,
             slot_mapping,
             slot_mapping.stride(0),
@@ -216,13 +227,14 @@ class KVCompactor:
             width,
             num_accepted,
             num_accepted.stride(0),
-            first.shape[self._offset_dim],
-            first.stride(self._block_dim),
-            first.stride(self._offset_dim),
+            self._caches[0].shape[self._offset_dim],
+            self._stride_block,
+            self._stride_offset,
             self._stride_row,
-            first.shape[-1],
-            self._num_rows * first.shape[-1],
-            BITS=_BITS_DTYPE[first.element_size()],
-            PATH=self._path_tile,
+            self._row_len,
+            WORD=self._word,
+            PATH=self._max_path_len,
+            NUM_ROWS=self._num_rows,
             CHUNK=self._chunk,
+            num_warps=4,
         )

@@ -30,6 +30,8 @@ import triton.language as tl
 
 # Bits per word of the ancestor bitmask.
 _WORD = 64
+# Largest depth D and top-k K the Triton kernel's packed (depth, rank, parent) int32 can hold.
+_MAX_PACKED = 255
 
 
 @dataclass(frozen=True)
@@ -206,9 +208,13 @@ def _build_trees_kernel(
     k,
     BUDGET: tl.constexpr,
     BLOCK: tl.constexpr,
+    TABLE: tl.constexpr,
 ):
     """One program per request. Frontier slots and tree nodes share the index range [0, BLOCK).
 
+    The search is latency-bound (BUDGET dependent steps), so each step touches registers only: the [D, K]
+    log-prob table is loaded once, looked up with masked reductions, and the node tokens are gathered at the end.
+    Depth, rank and parent of a frontier entry travel packed in one int32 (8 + 8 + 16 bits) to save reductions.
     BUDGET is a compile-time constant: it is fixed per deployment, and a runtime loop bound breaks Triton's
     interpreter under numpy >= 2.5.
     """
@@ -217,19 +223,17 @@ def _build_trees_kernel(
     lp_row = lp_ptr + b * max_depth * k
     ids_row = ids_ptr + b * max_depth * k
     idx = tl.arange(0, BLOCK)
+    cell = tl.arange(0, TABLE)
     neg_inf = float("-inf")
+    table = tl.load(lp_row + cell, mask=cell < max_depth * k, other=neg_inf)
 
-    f_score = tl.where(idx == 0, 0.0 + tl.load(lp_row), neg_inf)
+    f_score = tl.where(idx == 0, tl.max(tl.where(cell == 0, table, neg_inf), axis=0), neg_inf)
     f_pscore = tl.zeros([BLOCK], tl.float32)
-    f_depth = tl.full([BLOCK], 1, tl.int32)
-    f_rank = tl.zeros([BLOCK], tl.int32)
-    f_parent = tl.zeros([BLOCK], tl.int32)
+    f_packed = tl.full([BLOCK], 1, tl.int32)  # depth 1, rank 0, parent 0
     f_lex = tl.zeros([BLOCK], tl.int32)
     f_valid = idx == 0
 
-    n_tok = tl.zeros([BLOCK], tl.int64)
-    n_par = tl.full([BLOCK], -1, tl.int32)
-    n_dep = tl.zeros([BLOCK], tl.int32)
+    n_packed = tl.zeros([BLOCK], tl.int32)
     n_anc = tl.full([BLOCK], 1, tl.int64) << idx.to(tl.int64)
 
     for t in range(BUDGET):
@@ -238,40 +242,41 @@ def _build_trees_kernel(
         lex = tl.min(tl.where(cand, f_lex, BLOCK), axis=0)
         sel = cand & (f_lex == lex)
         has = lex < BLOCK
-        d = tl.sum(tl.where(sel, f_depth, 0), axis=0)
-        r = tl.sum(tl.where(sel, f_rank, 0), axis=0)
-        par = tl.sum(tl.where(sel, f_parent, 0), axis=0)
+        packed = tl.sum(tl.where(sel, f_packed, 0), axis=0)
         ps = tl.max(tl.where(sel, f_pscore, neg_inf), axis=0)
+        d = packed & 0xFF
+        r = (packed >> 8) & 0xFF
+        par = packed >> 16
 
         node = t + 1
         is_node = (idx == node) & has
-        tok = tl.load(ids_row + (d - 1) * k + r, mask=has, other=0)
-        n_tok = tl.where(is_node, tok, n_tok)
-        n_par = tl.where(is_node, par, n_par)
-        n_dep = tl.where(is_node, d, n_dep)
+        n_packed = tl.where(is_node, packed, n_packed)
         par_anc = tl.sum(tl.where(idx == par, n_anc, 0), axis=0)
         n_anc = tl.where(is_node, n_anc | par_anc, n_anc)
 
         has_child = has & (d < max_depth)
         has_sib = has & (r + 1 < k)
-        child_lp = tl.load(lp_row + d * k, mask=has_child, other=neg_inf)
-        sib_lp = tl.load(lp_row + (d - 1) * k + r + 1, mask=has_sib, other=neg_inf)
+        child_lp = tl.max(tl.where(cell == d * k, table, neg_inf), axis=0)
+        sib_lp = tl.max(tl.where(cell == (d - 1) * k + r + 1, table, neg_inf), axis=0)
         at_new = idx == node
         f_lex = tl.where(f_lex > lex, f_lex + 1, f_lex)
         f_score = tl.where(sel, best + child_lp, tl.where(at_new, ps + sib_lp, f_score))
         f_pscore = tl.where(sel, best, tl.where(at_new, ps, f_pscore))
-        f_depth = tl.where(sel, d + 1, tl.where(at_new, d, f_depth))
-        f_rank = tl.where(sel, 0, tl.where(at_new, r + 1, f_rank))
-        f_parent = tl.where(sel, node, tl.where(at_new, par, f_parent))
+        f_packed = tl.where(sel, (d + 1) | (node << 16), tl.where(at_new, d | ((r + 1) << 8) | (par << 16), f_packed))
         f_lex = tl.where(at_new, lex + 1, f_lex)
         f_valid = tl.where(sel, has_child, tl.where(at_new, has_sib, f_valid))
 
+    n_dep = n_packed & 0xFF
+    n_rank = (n_packed >> 8) & 0xFF
+    real = (idx >= 1) & (idx < width) & (n_dep > 0)
+    n_tok = tl.load(ids_row + (n_dep - 1) * k + n_rank, mask=real, other=0)
+    n_par = tl.where(real, n_packed >> 16, -1)
     in_tree = idx < width
     tl.store(tok_ptr + b * BUDGET + idx - 1, n_tok, mask=(idx >= 1) & in_tree)
     tl.store(par_ptr + b * width + idx, n_par.to(tl.int64), mask=in_tree)
     tl.store(dep_ptr + b * width + idx, n_dep.to(tl.int64), mask=in_tree)
     tl.store(anc_ptr + b * width + idx, n_anc, mask=in_tree)
-    tl.store(num_ptr + b, tl.sum((n_dep > 0).to(tl.int64), axis=0))
+    tl.store(num_ptr + b, tl.sum(real.to(tl.int64), axis=0))
 
 
 def build_trees_triton(topk_logprobs: torch.Tensor, topk_ids: torch.Tensor, budget: int) -> DraftTrees:
@@ -280,6 +285,8 @@ def build_trees_triton(topk_logprobs: torch.Tensor, topk_ids: torch.Tensor, budg
     width = budget + 1
     if width > _WORD:
         raise ValueError(f"the Triton tree builder handles budget <= {_WORD - 1}, got {budget}")
+    if topk_logprobs.shape[1] > _MAX_PACKED or topk_logprobs.shape[2] > _MAX_PACKED:
+        raise ValueError(f"the Triton tree builder packs depth and rank in 8 bits each, got {topk_logprobs.shape}")
     batch, max_depth, k = topk_logprobs.shape
     dev = topk_logprobs.device
     node_tokens = torch.empty(batch, budget, dtype=torch.int64, device=dev)
@@ -300,12 +307,15 @@ def build_trees_triton(topk_logprobs: torch.Tensor, topk_ids: torch.Tensor, budg
             k,
             BUDGET=budget,
             BLOCK=triton.next_power_of_2(width),
+            TABLE=triton.next_power_of_2(max_depth * k),
+            num_warps=1,
         )
     return DraftTrees(node_tokens, parents, depth, anc, num_nodes)
 
 
 def build_trees(topk_logprobs: torch.Tensor, topk_ids: torch.Tensor, budget: int) -> DraftTrees:
     """Build the draft trees: the Triton kernel on CUDA while the tree fits one anc word, else the torch path."""
-    if topk_logprobs.is_cuda and budget + 1 <= _WORD:
+    d, k = topk_logprobs.shape[1:]
+    if topk_logprobs.is_cuda and budget + 1 <= _WORD and max(d, k) <= _MAX_PACKED:
         return build_trees_triton(topk_logprobs, topk_ids, budget)
     return build_trees_torch(topk_logprobs, topk_ids, budget)
