@@ -89,7 +89,7 @@ def time_shape(B: int, L: int, H: int, N: int, page: int, fp8: bool, rotate: int
     flops = 2176.0 * N * H * L * B
     kv_bytes = B * L * 576 * (1 if fp8 else 2)
     return dict(B=B, L=L, H=H, N=N, page=page, fp8=fp8, us=round(us, 2), tflops=round(flops / us / 1e6, 1),
-                kv_gbs=round(kv_bytes / us / 1e3, 1), block_n=int(os.environ.get("DDTREE_MLA_BN", "64")))
+                kv_gbs=round(kv_bytes / us / 1e3, 1), variant=os.environ.get("DDTREE_MLA_VARIANT", "auto"))
 
 
 def main() -> None:
@@ -98,20 +98,21 @@ def main() -> None:
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--rotate", type=int, default=4)
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--block-n", default="64", help="comma list of kernel variants to time (64, 32)")
+    ap.add_argument("--variants", default="auto,portable",
+                    help="comma list: auto (resident-V where smem allows, e.g. sm_90) and/or portable (sm_120 config)")
     ap.add_argument("--fp8", action="store_true")
     args = ap.parse_args()
     bw = copy_bandwidth_gbs()
     rows = []
     print(f"{torch.cuda.get_device_name()}  copy bandwidth {bw:.0f} GB/s")
-    print(f"{'BN':>3} {'B':>3} {'L':>7} {'H':>4} {'N':>3} {'us':>9} {'TFLOP/s':>8} {'KV GB/s':>8} {'%copyBW':>7}")
-    for bn in args.block_n.split(","):
-        os.environ["DDTREE_MLA_BN"] = bn
+    print(f"{'variant':>8} {'B':>3} {'L':>7} {'H':>4} {'N':>3} {'us':>9} {'TFLOP/s':>8} {'KV GB/s':>8} {'%copyBW':>7}")
+    for var in args.variants.split(","):
+        os.environ["DDTREE_MLA_VARIANT"] = var
         for B, L, H, N in SHAPES:
             r = time_shape(B, L, H, N, args.page, args.fp8, args.rotate, args.reps)
             r["pct_copy_bw"] = round(100 * r["kv_gbs"] / bw, 1)
             rows.append(r)
-            print(f"{bn:>3} {B:>3} {L:>7} {H:>4} {N:>3} {r['us']:>9.1f} {r['tflops']:>8.1f} {r['kv_gbs']:>8.0f} "
+            print(f"{var:>8} {B:>3} {L:>7} {H:>4} {N:>3} {r['us']:>9.1f} {r['tflops']:>8.1f} {r['kv_gbs']:>8.0f} "
                   f"{r['pct_copy_bw']:>7.1f}", flush=True)
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

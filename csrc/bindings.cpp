@@ -116,7 +116,8 @@ void mla_tree_verify_cuda(const at::Tensor& q_nope, const at::Tensor& q_pe, cons
   p.max_q = static_cast<int>(max_q);
   p.num_parts = parts;
   p.num_row_tiles = row_tiles;
-  p.block_n = ddtree::mla_pick_block_n();
+  p.variant = ddtree::mla_pick_variant(q_nope.get_device());
+  p.block_n = ddtree::mla_variant_block_n(p.variant);
 
   // Fixed-size scratch (depends only on B, P, max_q, H): allocation is captured once with the graph.
   const int slots = ddtree::mla_num_slots(p.B, parts);

@@ -25,7 +25,10 @@ namespace {
 
 constexpr float kLn2 = 0.6931471805599453f;
 
-template <int BN, int STAGES, bool FP8>
+// VRES = false: portable (<= 99 KB): a ring of STAGES chunks; V chunks are fetched again (from L2).
+// VRES = true: large-smem GPUs (sm_90: 227 KB): STAGES whole tiles of 9 chunks stay resident, V is read from the
+// K chunks already in shared memory and the next tile streams in while this one is computed.
+template <int BN, int STAGES, bool FP8, bool VRES>
 struct KCfg {
   static constexpr int kThreads = 256;
   static constexpr int kRowBytes = FP8 ? 64 : 128;  // raw bytes per token in one 64-dim chunk
@@ -33,11 +36,14 @@ struct KCfg {
   static constexpr int kBfChunk = BN * 128;
   static constexpr int kPStride = BN + 8;  // bf16 elements per sP row (padding avoids ldmatrix bank conflicts)
   static constexpr int kOffRing = 9 * kBM * 128;  // sQ: 9 swizzled [64 x 64] bf16 chunks = 72 KB
-  static constexpr int kOffConv = kOffRing + STAGES * kRawChunk;
-  static constexpr int kOffP = kOffConv + (FP8 ? kBfChunk : 0);
+  static constexpr int kRingChunks = VRES ? STAGES * 9 : STAGES;
+  static constexpr int kOffConv = kOffRing + kRingChunks * kRawChunk;
+  static constexpr int kOffP = kOffConv + (FP8 ? (VRES ? 9 : 1) * kBfChunk : 0);
   static constexpr int kOffRed = kOffP + kBM * kPStride * 2;
   static constexpr int kSmem = kOffRed + 2 * kBM * 4;
-  static_assert(kSmem <= 101376, "portable path must fit sm_120's 99 KB per block");
+  static_assert(VRES || kSmem <= 101376, "portable path must fit sm_120's 99 KB per block");
+  static_assert(!VRES || kSmem <= 232448, "resident-V path must fit sm_90's 227 KB per block");
+  static_assert(!VRES || STAGES == 2, "resident-V path double-buffers whole tiles");
   static constexpr int kUnitsPerRow = kRowBytes / 16;
   static constexpr int kUnits = BN * kUnitsPerRow;  // 16-byte cp.async units per chunk
   static constexpr int kLoadIters = (kUnits + kThreads - 1) / kThreads;
@@ -111,9 +117,9 @@ __device__ __forceinline__ void fp8x16_to_bf16(const uint4 in, uint4 (&outv)[2])
   outv[1] = make_uint4(w[4], w[5], w[6], w[7]);
 }
 
-template <int BN, int STAGES, bool FP8>
+template <int BN, int STAGES, bool FP8, bool VRES>
 __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams p) {
-  using C = KCfg<BN, STAGES, FP8>;
+  using C = KCfg<BN, STAGES, FP8, VRES>;
   extern __shared__ __align__(128) uint8_t smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int rg = warp >> 1, kh = warp & 1;  // row group (16 rows), key half (QK) / dim half (PV)
@@ -213,10 +219,19 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
       fetch_pages(t0, pages);
       set_rows(t0, pages);
     }
+    if constexpr (VRES) {  // prologue: all 9 chunks of tile t0, one group each (group 0 also holds Q)
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {  // prologue: first STAGES-1 chunks of tile t0 (group 0 also holds Q)
-      load_chunk(s, s);
-      cp_async_commit();
+      for (int s = 0; s < 9; ++s) {
+        load_chunk(s, s);
+        cp_async_commit();
+      }
+      if (t0 + 1 < t1) fetch_pages(t0 + 1, nextpage);
+    } else {
+#pragma unroll
+      for (int s = 0; s < STAGES - 1; ++s) {  // prologue: first STAGES-1 chunks of tile t0 (group 0 also holds Q)
+        load_chunk(s, s);
+        cp_async_commit();
+      }
     }
 
     // ---- row state: 2 rows per thread (g and g+8 of the warp's 16-row group)
@@ -238,7 +253,15 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
 
     int rd_slot = 0;
     for (int tile = t0; tile < t1; ++tile) {
-      if (tile + 1 < t1) fetch_pages(tile + 1, nextpage);  // used ~15 steps later
+      const int tslot = (tile - t0) & 1;  // VRES: which resident tile buffer holds this tile
+      if constexpr (VRES) {
+        if (tile + 1 < t1) {  // this tile's K steps stream in the next tile
+          set_rows(tile + 1, nextpage);
+          if (tile + 2 < t1) fetch_pages(tile + 2, nextpage);  // used one tile later
+        }
+      } else {
+        if (tile + 1 < t1) fetch_pages(tile + 1, nextpage);  // used ~15 steps later
+      }
       float s[C::kQKNT][4];
 #pragma unroll
       for (int j = 0; j < C::kQKNT; ++j)
@@ -248,18 +271,37 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
 
 #pragma unroll
       for (int c = 0; c < C::kSteps; ++c) {
-        cp_async_wait<STAGES - 2>();
-        __syncthreads();
-        {  // prefetch step c + STAGES - 1 into the slot consumed last step
-          const int cs = c + STAGES - 1;
-          const int ltile = tile + cs / C::kSteps;
-          const int lc = cs % C::kSteps;
-          if (cs == C::kSteps && ltile < t1) set_rows(ltile, nextpage);
-          if (ltile < t1) load_chunk(lc < 9 ? lc : lc - 9, rd_slot == 0 ? STAGES - 1 : rd_slot - 1);
-          cp_async_commit();
+        uint32_t buf;
+        bool convert = FP8;
+        if constexpr (VRES) {
+          if (c < 9) {
+            // pending after chunk c of this tile: its chunks c+1..8 and the next tile's chunks 0..c-1
+            cp_async_wait<8>();
+            __syncthreads();
+            if (tile + 1 < t1) load_chunk(c, (tslot ^ 1) * 9 + c);
+            cp_async_commit();
+            buf = sRing + (tslot * 9 + c) * C::kRawChunk;
+          } else {
+            if (c == 9) __syncthreads();  // sP written by the softmax
+            buf = FP8 ? sConv + (c - 9) * C::kBfChunk : sRing + (tslot * 9 + c - 9) * C::kRawChunk;
+            convert = false;
+          }
+        } else {
+          cp_async_wait<STAGES - 2>();
+          __syncthreads();
+          {  // prefetch step c + STAGES - 1 into the slot consumed last step
+            const int cs = c + STAGES - 1;
+            const int ltile = tile + cs / C::kSteps;
+            const int lc = cs % C::kSteps;
+            if (cs == C::kSteps && ltile < t1) set_rows(ltile, nextpage);
+            if (ltile < t1) load_chunk(lc < 9 ? lc : lc - 9, rd_slot == 0 ? STAGES - 1 : rd_slot - 1);
+            cp_async_commit();
+          }
+          buf = sRing + rd_slot * C::kRawChunk;
+          rd_slot = rd_slot + 1 == STAGES ? 0 : rd_slot + 1;
         }
-        uint32_t buf = sRing + rd_slot * C::kRawChunk;
-        if (FP8) {  // widen this chunk to bf16 once, for all warps
+        if (convert) {  // widen this chunk to bf16 once, for all warps
+          const uint32_t dstc = sConv + (VRES ? c * C::kBfChunk : 0);
           if (tid < C::kUnits) {
             const int r = tid / 4, u = tid % 4;
             uint4 raw;
@@ -268,15 +310,14 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
                          : "r"(buf + r * 64 + u * 16));
             uint4 w[2];
             fp8x16_to_bf16(raw, w);
-            asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(sConv + swz(r, 2 * u)), "r"(w[0].x),
+            asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(dstc + swz(r, 2 * u)), "r"(w[0].x),
                          "r"(w[0].y), "r"(w[0].z), "r"(w[0].w));
-            asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(sConv + swz(r, 2 * u + 1)), "r"(w[1].x),
+            asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(dstc + swz(r, 2 * u + 1)), "r"(w[1].x),
                          "r"(w[1].y), "r"(w[1].z), "r"(w[1].w));
           }
           __syncthreads();
-          buf = sConv;
+          buf = dstc;
         }
-        rd_slot = rd_slot + 1 == STAGES ? 0 : rd_slot + 1;
 
         if (c < 9) {
           // ---- S[16 x BN/2] += Q[:, chunk c] K_c^T
@@ -497,10 +538,10 @@ __global__ void __launch_bounds__(256) mla_combine_kernel(const MlaParams p) {
   if (lane == 0) p.lse[tok * p.lse_s0 + head * p.lse_s1] = sum > 0.f ? (mu + log2f(sum)) * kLn2 : -INFINITY;
 }
 
-template <int BN, int STAGES, bool FP8>
+template <int BN, int STAGES, bool FP8, bool VRES>
 void launch_main(const MlaParams& p, cudaStream_t stream) {
-  using C = KCfg<BN, STAGES, FP8>;
-  auto kern = mla_tree_verify_kernel<BN, STAGES, FP8>;
+  using C = KCfg<BN, STAGES, FP8, VRES>;
+  auto kern = mla_tree_verify_kernel<BN, STAGES, FP8, VRES>;
   static bool attr_set = false;  // once per process; not a stream op, harmless during graph capture
   if (!attr_set) {
     cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
@@ -512,20 +553,26 @@ void launch_main(const MlaParams& p, cudaStream_t stream) {
 
 }  // namespace
 
-int mla_pick_block_n() {
-  const char* env = std::getenv("DDTREE_MLA_BN");
-  if (env != nullptr && std::atoi(env) == 32) return 32;
-  return 64;
+int mla_pick_variant(int device) {
+  // Resident-V needs ~226 KB of opt-in shared memory (sm_90); sm_80/86/89/120 take the portable path.
+  const char* env = std::getenv("DDTREE_MLA_VARIANT");
+  if (env != nullptr && std::strcmp(env, "portable") == 0) return kVariantPortable;
+  int optin = 0;
+  if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) optin = 0;
+  const bool fits = optin >= KCfg<64, 2, false, true>::kSmem && optin >= KCfg<64, 2, true, true>::kSmem;
+  return fits ? kVariantResidentV : kVariantPortable;
 }
+
+int mla_variant_block_n(int variant) { return variant == kVariantResidentV ? 64 : 32; }
 
 void launch_mla_tree_verify(const MlaParams& p, cudaStream_t stream) {
   launch_mla_sched(p, stream);
-  if (p.block_n == 32) {
-    if (p.kv_fp8) launch_main<32, 4, true>(p, stream);
-    else launch_main<32, 4, false>(p, stream);
+  if (p.variant == kVariantResidentV) {
+    if (p.kv_fp8) launch_main<64, 2, true, true>(p, stream);
+    else launch_main<64, 2, false, true>(p, stream);
   } else {
-    if (p.kv_fp8) launch_main<64, 2, true>(p, stream);
-    else launch_main<64, 2, false>(p, stream);
+    if (p.kv_fp8) launch_main<32, 5, true, false>(p, stream);
+    else launch_main<32, 5, false, false>(p, stream);
   }
   dim3 cgrid(p.B, (p.max_q * p.H + 7) / 8);
   mla_combine_kernel<<<cgrid, 256, 0, stream>>>(p);

@@ -64,8 +64,12 @@ struct MlaParams {
   int* sched;
   float* ws_o;    // [num_slots, max_q*H, 512] normalized fp32 partials
   float* ws_lse;  // [num_slots, max_q*H] base-2 lse of the partials
-  int block_n;    // KV tile width of the chosen kernel variant (the scheduler plans in these tiles)
+  int variant;    // kVariantPortable or kVariantResidentV
+  int block_n;    // KV tile width of that variant (the scheduler plans in these tiles)
 };
+
+constexpr int kVariantPortable = 0;   // <= 99 KB smem, V re-read from L2: sm_80 / sm_86 / sm_89 / sm_120
+constexpr int kVariantResidentV = 1;  // ~226 KB smem, V resident, whole next tile in flight: sm_90
 
 // Number of workspace slots needed for P parts and B requests (split pieces <= 2(P-1)).
 inline int mla_num_slots(int B, int P) {
@@ -73,8 +77,10 @@ inline int mla_num_slots(int B, int P) {
   return a < b ? a : b;
 }
 
-// Picks the kernel variant: returns its KV tile width (64 or 32); env DDTREE_MLA_BN overrides.
-int mla_pick_block_n();
+// Picks the kernel variant for `device` from its opt-in shared memory; DDTREE_MLA_VARIANT=portable forces the
+// portable one (used to test the sm_120 configuration on an H200).
+int mla_pick_variant(int device);
+int mla_variant_block_n(int variant);
 
 // Launches scheduler, main kernel and combine on `stream`. No host synchronization, no host reads of device data.
 void launch_mla_tree_verify(const MlaParams& p, cudaStream_t stream);

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import random
 
 import pytest
@@ -118,6 +119,19 @@ def check_close(out: torch.Tensor, lse: torch.Tensor, ref_out: torch.Tensor, ref
 
 
 TREES = ["chain", "star", "random", "chain"]
+
+
+@pytest.fixture(params=["auto", "portable"], autouse=True)
+def kernel_variant(request: pytest.FixtureRequest):
+    """Every GPU test runs twice: the device's own variant (resident-V on sm_90) and the portable <= 99 KB one
+    that sm_120 uses, so the H200 checks both."""
+    old = os.environ.get("DDTREE_MLA_VARIANT")
+    os.environ["DDTREE_MLA_VARIANT"] = request.param
+    yield request.param
+    if old is None:
+        os.environ.pop("DDTREE_MLA_VARIANT", None)
+    else:
+        os.environ["DDTREE_MLA_VARIANT"] = old
 
 
 @pytest.mark.gpu
