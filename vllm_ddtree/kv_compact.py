@@ -94,6 +94,7 @@ def _compact_kv_kernel(
     row_len,
     WORD: tl.constexpr,
     PATH: tl.constexpr,
+    PATH_TILE: tl.constexpr,
     NUM_ROWS: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
@@ -109,19 +110,26 @@ def _compact_kv_kernel(
     num_acc = tl.load(num_accepted + req * num_acc_stride).to(tl.int64)
     start = tl.load(query_start_loc + req * qsl_stride).to(tl.int64)
     cache = tl.load(layer_ptrs + layer).to(tl.pointer_type(WORD))
+    # All index loads happen up front, as vectors over the path, so the copy loop waits on payload loads only.
+    depth = 1 + tl.arange(0, PATH_TILE).to(tl.int64)
+    in_path = depth <= PATH
+    nodes = tl.load(accepted_nodes + req * acc_stride_req + depth * acc_stride_col, mask=in_path & (depth < num_cols),
+                    other=-1).to(tl.int64)
+    valid = (depth <= num_acc) & (nodes >= 0) & (nodes != depth)
+    src = tl.load(slot_mapping + (start + nodes) * slot_stride, mask=valid, other=-1).to(tl.int64)
+    dst = tl.load(slot_mapping + (start + depth) * slot_stride, mask=valid, other=-1).to(tl.int64)
+    valid = valid & (src >= 0) & (dst >= 0)
+    src_off = (src // block_size) * stride_block + (src % block_size) * stride_offset
+    dst_off = (dst // block_size) * stride_block + (dst % block_size) * stride_offset
     word = tl.arange(0, CHUNK)
     for k in range(1, PATH + 1):
-        node = tl.load(accepted_nodes + req * acc_stride_req + k * acc_stride_col, mask=k < num_cols, other=-1)
-        node = node.to(tl.int64)
-        valid = (k <= num_acc) & (node >= 0) & (node != k)
-        src = tl.load(slot_mapping + (start + node) * slot_stride, mask=valid, other=-1).to(tl.int64)
-        dst = tl.load(slot_mapping + (start + k) * slot_stride, mask=valid, other=-1).to(tl.int64)
-        valid = valid & (src >= 0) & (dst >= 0)
-        src_base = cache + (src // block_size) * stride_block + (src % block_size) * stride_offset
-        dst_base = cache + (dst // block_size) * stride_block + (dst % block_size) * stride_offset
+        at = (depth == k) & valid
+        copy = tl.sum(at.to(tl.int32), axis=0) > 0
+        src_base = cache + tl.sum(tl.where(at, src_off, 0), axis=0)
+        dst_base = cache + tl.sum(tl.where(at, dst_off, 0), axis=0)
         for row in range(NUM_ROWS):
             for first in range(0, row_len, CHUNK):
-                mask = valid & (first + word < row_len)
+                mask = copy & (first + word < row_len)
                 offs = row * stride_row + first + word
                 tl.store(dst_base + offs, tl.load(src_base + offs, mask=mask), mask=mask)
         tl.debug_barrier()
@@ -234,6 +242,7 @@ class KVCompactor:
             self._row_len,
             WORD=self._word,
             PATH=self._max_path_len,
+            PATH_TILE=triton.next_power_of_2(self._max_path_len),
             NUM_ROWS=self._num_rows,
             CHUNK=self._chunk,
             num_warps=4,
