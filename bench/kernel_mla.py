@@ -1,7 +1,11 @@
 """Timing of ``ddtree::mla_tree_verify`` on one GPU: CUDA-graph replay over >= 4 rotating KV caches, medians.
 
-Only our kernel (the vLLM baselines need vLLM on the device; see ../shared/device/bench_mla_anchor.py). Prints a
-table and writes JSON:  python bench/kernel_mla.py --out bench/results/mla_kernel_h200.json
+    python bench/kernel_mla.py --out bench/results/mla_kernel_h200.json [--baselines]
+
+``--baselines`` (needs vLLM 0.26 on the GPU machine) also times, over the same rotating caches and in the same run,
+vLLM's Triton MLA decode with the tree flattened to one row per node (row i sees L - N + i + 1 keys, as vLLM runs
+verify) and FlashMLA with causal q_len = N (same work minus the tree mask), called as in
+../shared/device/bench_mla_anchor.py. Block size 64 for those (FlashMLA requires it).
 """
 
 from __future__ import annotations
@@ -45,7 +49,74 @@ def copy_bandwidth_gbs() -> float:
     return 2 * x.numel() * 2 * 10 / (s.elapsed_time(e) * 1e-3) / 1e9
 
 
-def time_shape(B: int, L: int, H: int, N: int, page: int, fp8: bool, rotate: int, reps: int) -> dict:
+def graph_time_us(fn, reps: int, per_call: int) -> float:
+    """Median microseconds per call of ``fn`` (which makes ``per_call`` calls), under CUDA-graph replay."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(3):
+        g.replay()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        g.replay()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) * 1e3 / per_call)
+    return statistics.median(times)
+
+
+def baseline_times(q: torch.Tensor, caches: list, tables: list, B: int, L: int, H: int, N: int, page: int,
+                   reps: int) -> dict:
+    """vLLM Triton MLA (tree flattened to rows) and FlashMLA causal, same caches; NaN where one cannot run."""
+    res: dict = {}
+    scale = 1 / math.sqrt(576)
+    try:
+        import triton
+        from vllm.v1.attention.ops.triton_decode_attention import decode_attention_fwd
+
+        qf = q.contiguous()
+        btf = [bt.repeat_interleave(N, dim=0).contiguous() for bt in tables]
+        sl = (torch.arange(N, device="cuda").repeat(B) + L - N + 1).int()
+        n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+        nsplit = min(triton.next_power_of_2(max(1, L // 512)), n_sm * 2)
+        o = torch.zeros(B * N, H, 512, dtype=torch.bfloat16, device="cuda")
+        lse = torch.zeros(B * N, H, dtype=torch.bfloat16, device="cuda")  # as in bench_mla_anchor.py
+        logits = torch.empty(B * N, H, nsplit, 513, dtype=torch.float32, device="cuda")
+
+        def tri() -> None:
+            for c, bt in zip(caches, btf, strict=True):
+                kv = c.view(c.shape[0], c.shape[1], 1, 576)
+                decode_attention_fwd(qf, kv, kv[..., :512], o, lse, bt, sl, logits, nsplit, scale, page, is_mla=True)
+
+        res["triton_mla_us"] = round(graph_time_us(tri, reps, len(caches)), 2)
+    except Exception as e:  # noqa: BLE001 - report and keep going
+        print("  triton baseline failed:", str(e)[:200])
+        res["triton_mla_us"] = float("nan")
+    try:
+        from vllm.third_party.flashmla.flash_mla_interface import flash_mla_with_kvcache, get_mla_metadata
+
+        q4 = q.view(B, N, H, 576).contiguous()
+        seqlens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+        sm, _ = get_mla_metadata()
+
+        def fm() -> None:
+            for c, bt in zip(caches, tables, strict=True):
+                flash_mla_with_kvcache(q4, c.view(c.shape[0], c.shape[1], 1, 576), bt, seqlens, 512, sm, None,
+                                       softmax_scale=scale, causal=True)
+
+        res["flashmla_causal_us"] = round(graph_time_us(fm, reps, len(caches)), 2)
+    except Exception as e:  # noqa: BLE001
+        print("  flashmla baseline failed:", str(e)[:200])
+        res["flashmla_causal_us"] = float("nan")
+    return res
+
+
+def time_shape(B: int, L: int, H: int, N: int, page: int, fp8: bool, rotate: int, reps: int,
+               baselines: bool = False) -> dict:
     from vllm_ddtree.ops import mla_tree_verify
 
     rng = random.Random(0)
@@ -70,26 +141,16 @@ def time_shape(B: int, L: int, H: int, N: int, page: int, fp8: bool, rotate: int
         for c, bt in zip(caches, tables, strict=True):
             mla_tree_verify(q_nope, q_pe, c, bt, seq_lens, qsl, bits, scale, 1.0, out, lse, max_query_len=N)
 
-    step()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
-    for _ in range(3):
-        g.replay()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / rotate)
-    us = statistics.median(times)
+    us = graph_time_us(step, reps, rotate)
     flops = 2176.0 * N * H * L * B
     kv_bytes = B * L * 576 * (1 if fp8 else 2)
-    return dict(B=B, L=L, H=H, N=N, page=page, fp8=fp8, us=round(us, 2), tflops=round(flops / us / 1e6, 1),
-                kv_gbs=round(kv_bytes / us / 1e3, 1), variant=os.environ.get("DDTREE_MLA_VARIANT", "auto"))
+    row = dict(B=B, L=L, H=H, N=N, page=page, fp8=fp8, us=round(us, 2), tflops=round(flops / us / 1e6, 1),
+               kv_gbs=round(kv_bytes / us / 1e3, 1), variant=os.environ.get("DDTREE_MLA_VARIANT", "auto"))
+    if baselines and not fp8:
+        row.update(baseline_times(q, caches, tables, B, L, H, N, page, reps))
+        row["x_vs_triton"] = round(row["triton_mla_us"] / us, 2)
+        row["x_of_flashmla"] = round(row["flashmla_causal_us"] / us, 2)
+    return row
 
 
 def main() -> None:
@@ -101,6 +162,7 @@ def main() -> None:
     ap.add_argument("--variants", default="auto,portable",
                     help="comma list: auto (resident-V where smem allows, e.g. sm_90) and/or portable (sm_120 config)")
     ap.add_argument("--fp8", action="store_true")
+    ap.add_argument("--baselines", action="store_true", help="also time vLLM Triton MLA and FlashMLA (needs vLLM)")
     args = ap.parse_args()
     bw = copy_bandwidth_gbs()
     rows = []
@@ -109,11 +171,13 @@ def main() -> None:
     for var in args.variants.split(","):
         os.environ["DDTREE_MLA_VARIANT"] = var
         for B, L, H, N in SHAPES:
-            r = time_shape(B, L, H, N, args.page, args.fp8, args.rotate, args.reps)
+            r = time_shape(B, L, H, N, args.page, args.fp8, args.rotate, args.reps, args.baselines and var == "auto")
             r["pct_copy_bw"] = round(100 * r["kv_gbs"] / bw, 1)
             rows.append(r)
             print(f"{var:>8} {B:>3} {L:>7} {H:>4} {N:>3} {r['us']:>9.1f} {r['tflops']:>8.1f} {r['kv_gbs']:>8.0f} "
-                  f"{r['pct_copy_bw']:>7.1f}", flush=True)
+                  f"{r['pct_copy_bw']:>7.1f}" + (f"  triton {r['triton_mla_us']:.1f} us ({r['x_vs_triton']}x)  "
+                  f"flashmla {r['flashmla_causal_us']:.1f} us (ours = {r['x_of_flashmla']}x its speed)"
+                  if "triton_mla_us" in r else ""), flush=True)
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:

@@ -55,10 +55,9 @@ def load_extension(verbose: bool = False) -> None:
 
         src = csrc_dir()
         arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
-        if not arch_list and torch.cuda.is_available():
-            major, minor = torch.cuda.get_device_capability()
-            arch_list = f"{major}.{minor}"
-            os.environ["TORCH_CUDA_ARCH_LIST"] = arch_list
+        if not arch_list and torch.cuda.is_available():  # torch then builds for the visible GPUs; key on them
+            caps = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
+            arch_list = ";".join(f"{a}.{b}" for a, b in sorted(caps))
         name, bdir = _build_dir(src, arch_list)
         load(
             name=name,
