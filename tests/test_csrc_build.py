@@ -73,3 +73,25 @@ def test_binding_syntax() -> None:
     cmd = ["c++", "-std=c++17", "-fsyntax-only", *incs, str(CSRC / "bindings.cpp")]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
+
+
+@pytest.mark.skipif(NVCC is None or shutil.which("c++") is None, reason="needs nvcc and a host C++ compiler")
+def test_extension_registers_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ninja build links and loads without a GPU and registers ddtree::mla_tree_verify with its Meta kernel
+    (what torch.compile's fake tensors call). One arch keeps CI fast; the build above covers all three."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "12.0")
+    monkeypatch.setenv("CUDA_HOME", os.environ.get("CUDA_HOME", "/usr/local/cuda"))
+    from vllm_ddtree import ops
+
+    ops.load_extension()
+    op = torch.ops.ddtree.mla_tree_verify
+    schema = str(op.default._schema)
+    assert "Tensor(a!) out" in schema and "Tensor(b!) lse" in schema, schema
+    T, H, B = 4, 8, 2
+    m = dict(device="meta")
+    op(torch.empty(T, H, 512, dtype=torch.bfloat16, **m), torch.empty(T, H, 64, dtype=torch.bfloat16, **m),
+       torch.empty(3, 64, 576, dtype=torch.bfloat16, **m), torch.empty(B, 3, dtype=torch.int32, **m),
+       torch.empty(B, dtype=torch.int32, **m), torch.empty(B + 1, dtype=torch.int32, **m),
+       torch.empty(T, dtype=torch.int64, **m), 0.04, 1.0, torch.empty(T, H, 512, dtype=torch.bfloat16, **m),
+       torch.empty(T, H, dtype=torch.float32, **m), 2)

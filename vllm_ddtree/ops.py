@@ -71,6 +71,14 @@ def load_extension(verbose: bool = False) -> None:
         _loaded = True
 
 
+def _rows16(t: torch.Tensor) -> torch.Tensor:
+    """The kernel loads q rows with 16-byte copies; views that break that alignment get a contiguous copy."""
+    if t.device.type == "meta":
+        return t
+    ok = t.stride(-1) == 1 and t.stride(0) % 8 == 0 and t.stride(1) % 8 == 0 and t.data_ptr() % 16 == 0
+    return t if ok else t.contiguous()
+
+
 def mla_tree_verify(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -100,6 +108,7 @@ def mla_tree_verify(
         raise ValueError(f"kv_cache must be [blocks, block_size, 576], got {tuple(kv_cache.shape)}")
     if kv_cache.dtype == torch.float8_e4m3fn:
         kv_cache = kv_cache.view(torch.uint8)
+    q_nope, q_pe = _rows16(q_nope), _rows16(q_pe)
     load_extension()
     torch.ops.ddtree.mla_tree_verify(
         q_nope,
