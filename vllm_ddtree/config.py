@@ -47,7 +47,8 @@ class DDTreeConfig:
     topk: int
     """Candidates kept per depth; the tree is the best-first top-`budget` subset of this K-ary tree."""
     max_depth: int
-    """Tree depth D: the drafter predicts D positions in one pass (DFlash block_size - 1 by default)."""
+    """Tree depth D: the drafter predicts D positions in one pass (DFlash block_size - 1 by default, at most the
+    budget)."""
     adaptive_budget: bool = False
     """Reserved: always False until the adaptive budget lands."""
 
@@ -176,6 +177,9 @@ def resolve_ddtree_config(request: DDTreeRequest, block_size: int | None) -> DDT
             "max_depth", max_depth, 1, block_size - 1, f"the DFlash drafter predicts block_size-1 = {block_size - 1}"
         )
     topk = request.topk if request.topk is not None else min(request.budget, DEFAULT_TOPK)
+    # A tree of `budget` nodes is never deeper than `budget`, and the drafter's extra query tokens would need KV
+    # slots vLLM's scheduler does not reserve (it looks ahead budget+1 tokens for DFlash), so the depth is capped.
+    max_depth = min(max_depth, request.budget)
     return DDTreeConfig(budget=request.budget, topk=topk, max_depth=max_depth, adaptive_budget=False)
 
 

@@ -74,6 +74,33 @@ def compact_kv_reference(
         cache[tuple(dst_index)] = cache[tuple(src_index)]
 
 
+def compact_kv_slabs(
+    kv_caches: Sequence[Tensor],
+    token_elems: Tensor,
+    slot_mapping: Tensor,
+    query_start_loc: Tensor,
+    accepted_nodes: Tensor,
+    num_accepted: Tensor,
+) -> None:
+    """``compact_kv_reference`` for caches that pack each block per ISA (vLLM-CPU's CPU_ATTN).
+
+    There a token's K and V are not a row of the logical ``(num_blocks, num_kv_heads, block_size, 2*head_size)``
+    view: each (block, kv-head) slab of ``block_size * 2*head_size`` elements is laid out for the CPU's matrix
+    units. ``token_elems[o]`` lists the slab offsets holding token ``o``'s K and V; copying those moves the token.
+    """
+    src, dst = _copy_slots(slot_mapping, query_start_loc, accepted_nodes, num_accepted)
+    src, dst = src.flatten(), dst.flatten()
+    block_size = token_elems.shape[0]
+    for cache in kv_caches:
+        slabs = cache.view(cache.shape[0], cache.shape[1], -1)
+        heads = torch.arange(cache.shape[1], device=cache.device)[None, :, None]
+        src_elems = token_elems[src % block_size][:, None, :]
+        dst_elems = token_elems[dst % block_size][:, None, :]
+        slabs[(dst // block_size)[:, None, None], heads, dst_elems] = slabs[
+            (src // block_size)[:, None, None], heads, src_elems
+        ]
+
+
 @triton.jit
 def _compact_kv_kernel(
     layer_ptrs,

@@ -45,7 +45,21 @@ def register() -> None:
             SUPPORTED_VLLM_STR,
         )
         return
+    from vllm.platforms import current_platform
+
     from vllm_ddtree.patches import config as config_patches
 
     config_patches.apply()
+    if current_platform.is_cpu():
+        _register_cpu()
     _state["registered"] = True
+
+
+def _register_cpu() -> None:
+    """vLLM-CPU runs Model Runner V1: the V1 adapter plus the tree-aware CPU attention in CPU_ATTN's slot."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    from vllm_ddtree.patches import v1 as v1_patches
+
+    register_backend(AttentionBackendEnum.CPU_ATTN, "vllm_ddtree.backends.cpu.DDTreeCPUAttentionBackend")
+    v1_patches.apply()

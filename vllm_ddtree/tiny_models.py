@@ -65,8 +65,13 @@ def _layer_weights(prefix: str, gen: torch.Generator, scale: float) -> dict[str,
     }
 
 
-def write_target(path: Path, seed: int = 0) -> Path:
-    """A 4-layer Qwen3ForCausalLM with peaky logits (lm_head scale 8 over unit-RMS hidden states)."""
+def write_target(path: Path, seed: int = 0, hot_tokens: int = 24) -> Path:
+    """A 4-layer Qwen3ForCausalLM with peaky logits (lm_head scale 8 over unit-RMS hidden states).
+
+    The output rows of ``hot_tokens`` ids (2..hot_tokens+1) are 3x larger, so the target mostly speaks a small
+    vocabulary; the DFlash drafter shares this lm_head, so even a random drafter then proposes the target's next
+    token often enough for long accepted paths (what end-to-end tests of trees need).
+    """
     path.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
     weights = {"model.embed_tokens.weight": torch.randn(VOCAB, HIDDEN, generator=gen)}
@@ -74,6 +79,7 @@ def write_target(path: Path, seed: int = 0) -> Path:
         weights.update(_layer_weights(f"model.layers.{i}.", gen, scale=1.0))
     weights["model.norm.weight"] = torch.ones(HIDDEN)
     weights["lm_head.weight"] = torch.randn(VOCAB, HIDDEN, generator=gen) * 8.0 / HIDDEN**0.5
+    weights["lm_head.weight"][2 : 2 + hot_tokens] *= 3.0
     save_file({k: v.contiguous() for k, v in weights.items()}, str(path / "model.safetensors"))
     config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **_qwen3_keys(TARGET_LAYERS, HIDDEN)}
     (path / "config.json").write_text(json.dumps(config, indent=2))

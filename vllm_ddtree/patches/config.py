@@ -69,6 +69,19 @@ def _select_model_runner_v2() -> None:
         envs.__getattr__.cache_clear()
 
 
+def _disable_async_scheduling_on_v1(engine_args: Any) -> None:
+    """The V1 (CPU) adapter matches each step's drafts to its trees, which async scheduling hides (placeholders)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda():
+        return
+    if engine_args.async_scheduling:
+        raise DDTreeConfigError(
+            "ddtree on vLLM-CPU (Model Runner V1) does not support async scheduling; drop --async-scheduling."
+        )
+    engine_args.async_scheduling = False
+
+
 def create_speculative_config(self: Any, target_model_config: Any, target_parallel_config: Any) -> Any:
     """EngineArgs.create_speculative_config, accepting ``{"method": "ddtree", ...}``."""
     from vllm.config import SpeculativeConfig
@@ -82,6 +95,7 @@ def create_speculative_config(self: Any, target_model_config: Any, target_parall
     vllm_dict, request = split_speculative_config(_merged_user_dict(self), field_names)
     check_parallel_config(target_parallel_config)
     _select_model_runner_v2()
+    _disable_async_scheduling_on_v1(self)
 
     # Call vLLM with the DFlash dict, then restore the user's values: EngineArgs may build configs more than once.
     saved = {"speculative_config": self.speculative_config, **{a: getattr(self, a) for a, _ in _SHORTHANDS}}

@@ -1,0 +1,59 @@
+"""Model Runner V1 seams (vLLM-CPU only; GPUs run DDTree on Model Runner V2).
+
+* ``GPUModelRunner.__init__``: build ``DDTreeProposer`` where vLLM builds its ``DFlashProposer`` (the module global
+  is swapped only during construction, so vLLM's ``isinstance(drafter, DFlashProposer)`` checks keep working).
+* ``GPUModelRunner._prepare_inputs``: after vLLM computed slot mappings from linear positions, rewrite the tree
+  rows' RoPE positions to ``base + depth`` in place and fill the batch-ordered ancestor masks.
+``CPUModelRunner`` subclasses ``GPUModelRunner``, so it inherits both.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_ddtree.config import get_ddtree_config
+from vllm_ddtree.patches import patch_attr
+
+
+def _runner_init(self: Any, vllm_config: Any, device: Any, *args: Any, **kwargs: Any) -> None:
+    from vllm.v1.worker import gpu_model_runner
+
+    from vllm_ddtree.speculator import DDTreeProposer
+
+    orig = gpu_model_runner.GPUModelRunner._orig___init__
+    if get_ddtree_config(vllm_config) is None:
+        orig(self, vllm_config, device, *args, **kwargs)
+        return
+    dflash = gpu_model_runner.DFlashProposer
+    gpu_model_runner.DFlashProposer = DDTreeProposer
+    try:
+        orig(self, vllm_config, device, *args, **kwargs)
+    finally:
+        gpu_model_runner.DFlashProposer = dflash
+
+
+def _prepare_inputs(self: Any, scheduler_output: Any, num_scheduled_tokens: Any) -> Any:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    result = GPUModelRunner._orig__prepare_inputs(self, scheduler_output, num_scheduled_tokens)
+    state = getattr(self, "_ddtree_state", None)
+    if state is None:
+        return result
+    if result[1] is None:  # no drafts scheduled this step
+        state.end_step()
+        return result
+    num_reqs = self.input_batch.num_reqs
+    req_ids = list(self.input_batch.req_ids[:num_reqs])
+    spec = scheduler_output.scheduled_spec_decode_tokens
+    drafts = [list(spec.get(req_id, ())) for req_id in req_ids]
+    query_start = self.query_start_loc.np[: num_reqs + 1].tolist()
+    state.begin_step(req_ids, drafts, self.positions, query_start)
+    return result
+
+
+def apply() -> None:
+    """Install the V1 runner seams (idempotent)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    patch_attr(GPUModelRunner, "__init__", _runner_init)
+    patch_attr(GPUModelRunner, "_prepare_inputs", _prepare_inputs)

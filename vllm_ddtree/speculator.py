@@ -1,0 +1,107 @@
+"""The DDTree drafter: one DFlash pass of depth D, per-depth top-k log-probs, best-first trees of ``budget`` nodes.
+
+``DDTreeProposer`` is the thin V1 adapter (vLLM-CPU; CI runs DDTree end to end through it): a ``DFlashProposer``
+whose drafter pass always predicts ``max_depth`` positions, whatever the node budget, and whose output is the
+``[B, budget]`` node tokens of the trees in topological order. Before drafting it rewrites the drafter's context
+to the accepted path: the target hidden states of path nodes are permuted into path order and positions are made
+linear again, so DFlash sees exactly the history the scheduler believes in.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.v1.spec_decode.dflash import DFlashProposer
+
+from vllm_ddtree.accept import AcceptedPaths
+from vllm_ddtree.config import DDTreeConfig, get_ddtree_config
+from vllm_ddtree.sampler import DDTreeRejectionSampler
+from vllm_ddtree.tree import DraftTrees, build_trees
+from vllm_ddtree.tree_state import DDTreeStepState
+
+
+def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k log-probs and ids per row, without materialising a float32 log-softmax of the whole vocabulary."""
+    values, ids = logits.topk(k, dim=-1)
+    return values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True), ids
+
+
+def path_context(hidden: torch.Tensor, positions: torch.Tensor, query_start_loc: torch.Tensor,
+                 paths: AcceptedPaths) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drafter context after a tree verify: hidden rows in path order, linear positions (base + row)."""
+    batch = paths.num_accepted.shape[0]
+    qsl = query_start_loc[: batch + 1].to(torch.int64)
+    depth = torch.arange(paths.accepted_nodes.shape[1], device=hidden.device)
+    keep = (depth[None, :] <= paths.num_accepted[:, None]) & (paths.accepted_nodes >= 0)
+    rows = qsl[:-1, None] + depth[None, :]
+    src = qsl[:-1, None] + paths.accepted_nodes.clamp(min=0)
+    index = torch.arange(hidden.shape[0], device=hidden.device)
+    index[rows[keep]] = src[keep]
+    lengths = qsl[1:] - qsl[:-1]
+    starts = torch.repeat_interleave(qsl[:-1], lengths, output_size=int(qsl[-1]))
+    base = torch.repeat_interleave(positions[qsl[:-1]], lengths, output_size=int(qsl[-1]))
+    linear = positions.clone()
+    linear[: int(qsl[-1])] = base + torch.arange(int(qsl[-1]), device=positions.device) - starts
+    return hidden[index], linear
+
+
+class DDTreeProposer(DFlashProposer):
+    """V1 DFlash proposer that drafts DDTree trees (used on vLLM-CPU)."""
+
+    def __init__(self, vllm_config: Any, device: torch.device, runner: Any = None) -> None:
+        ddtree = get_ddtree_config(vllm_config)
+        assert ddtree is not None, "DDTreeProposer needs a ddtree speculative config"
+        spec = vllm_config.speculative_config
+        # The drafter's query buffers must hold 1 + max_depth tokens per request even when the budget is smaller.
+        budget = spec.num_speculative_tokens
+        spec.num_speculative_tokens = max(budget, ddtree.max_depth)
+        try:
+            super().__init__(vllm_config, device, runner)
+        finally:
+            spec.num_speculative_tokens = budget
+        self.num_speculative_tokens = budget
+        self.ddtree: DDTreeConfig = ddtree
+        self.runner = runner
+        self.state = DDTreeStepState(ddtree, vllm_config.scheduler_config.max_num_seqs, device)
+        self._trees: DraftTrees | None = None
+        if runner is not None:
+            runner._ddtree_state = self.state
+
+    def load_model(self, target_model: Any) -> None:
+        super().load_model(target_model)
+        runner = self.runner
+        runner.rejection_sampler = DDTreeRejectionSampler(
+            runner.sampler, self.speculative_config, self.device, self.state, runner
+        )
+
+    def _greedy_sample(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Instead of DFlash's argmax chain: per-depth top-k of the drafter's D positions, then the trees."""
+        depth, budget = self.ddtree.max_depth, self.ddtree.budget
+        logits = self.model.compute_logits(hidden_states)
+        logprobs, ids = topk_logprobs(logits, self.ddtree.topk)
+        batch = hidden_states.shape[0] // depth
+        self._trees = build_trees(logprobs.view(batch, depth, -1), ids.view(batch, depth, -1), budget)
+        return ids[:, 0]
+
+    def propose(self, num_speculative_tokens: int, target_token_ids: torch.Tensor, target_positions: torch.Tensor,
+                target_hidden_states: torch.Tensor, next_token_ids: torch.Tensor,
+                token_indices_to_sample: torch.Tensor | None, common_attn_metadata: Any, sampling_metadata: Any,
+                mm_embed_inputs: Any = None, num_rejected_tokens_gpu: torch.Tensor | None = None,
+                slot_mappings: Any = None) -> torch.Tensor:
+        paths = self.state.paths
+        if paths is not None:
+            target_hidden_states, target_positions = path_context(
+                target_hidden_states, target_positions, common_attn_metadata.query_start_loc, paths
+            )
+            self.state.paths = None
+        super().propose(
+            self.ddtree.max_depth, target_token_ids, target_positions, target_hidden_states, next_token_ids,
+            token_indices_to_sample, common_attn_metadata, sampling_metadata, mm_embed_inputs,
+            num_rejected_tokens_gpu, slot_mappings,
+        )
+        self.num_speculative_tokens = self.ddtree.budget
+        assert self._trees is not None
+        batch = common_attn_metadata.batch_size()
+        self.state.record_proposal(list(self.runner.input_batch.req_ids[:batch]), self._trees)
+        return self._trees.node_tokens

@@ -1,0 +1,92 @@
+"""State the V1 (CPU) seams hand each other: trees proposed last step, this step's batch-ordered trees, the paths.
+
+Order of one step: ``_prepare_inputs`` hook (trees of the scheduled requests → depth positions, ancestor masks) →
+tree rejection sampler (walk + KV compaction → accepted paths) → proposer (drafter context from the paths → next
+trees). The V1 runner keeps requests in ``input_batch`` order, which can change between steps, so proposals are
+remembered by request id and re-gathered in the new batch order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_ddtree.accept import AcceptedPaths
+from vllm_ddtree.backends.tree_mask import TreeMaskBuffers, causal_bits, install_tree_masks
+from vllm_ddtree.config import DDTreeConfig
+from vllm_ddtree.tree import DraftTrees
+
+
+@dataclass
+class BatchTrees:
+    """Trees of the current verify step, one row per request in batch order (chains where no tree applies)."""
+
+    parents: torch.Tensor  # [B, W] int64
+    anc_bits: torch.Tensor  # [B, W] int64
+    num_nodes: torch.Tensor  # [B] int64, capped at the number of scheduled drafts
+
+
+class DDTreeStepState:
+    """Per-worker DDTree state shared by the runner hook, the tree sampler and the proposer."""
+
+    def __init__(self, config: DDTreeConfig, max_num_reqs: int, device: torch.device) -> None:
+        self.config = config
+        self.width = config.budget + 1
+        self.device = device
+        self.masks = TreeMaskBuffers(max_num_reqs, self.width, device)
+        install_tree_masks(self.masks)
+        self._proposed_rows: dict[str, int] = {}
+        self._proposed: DraftTrees | None = None
+        self.batch: BatchTrees | None = None
+        self.paths: AcceptedPaths | None = None
+
+    def record_proposal(self, req_ids: list[str], trees: DraftTrees) -> None:
+        """Remember the trees just proposed, row i belonging to ``req_ids[i]``."""
+        self._proposed = trees
+        self._proposed_rows = {req_id: i for i, req_id in enumerate(req_ids)}
+
+    def proposed_tree(self, req_id: str, draft_tokens: list[int]) -> int | None:
+        """Row of ``req_id``'s proposed tree if its first nodes are exactly the drafts the scheduler sent back."""
+        row = self._proposed_rows.get(req_id)
+        if row is None or self._proposed is None:
+            return None
+        k = len(draft_tokens)
+        if self._proposed.node_tokens[row, :k].tolist() != list(draft_tokens):
+            return None
+        return row
+
+    def begin_step(self, req_ids: list[str], drafts: list[list[int]], positions: torch.Tensor,
+                   query_start: list[int]) -> None:
+        """Lay out this step's trees in batch order: depth RoPE positions in place, ancestor masks, walk inputs.
+
+        A request whose drafts are not a tree this worker proposed (or that has none) is verified as a chain,
+        which is the causal mask and linear positions vLLM already set up.
+        """
+        batch = len(req_ids)
+        chain_parents = torch.arange(-1, self.width - 1, dtype=torch.int64)
+        parents = chain_parents.repeat(batch, 1)
+        anc_bits = causal_bits(self.width, torch.device("cpu")).repeat(batch, 1)
+        num_nodes = torch.zeros(batch, dtype=torch.int64)
+        for b, (req_id, tokens) in enumerate(zip(req_ids, drafts, strict=True)):
+            k = len(tokens)
+            num_nodes[b] = k
+            row = self.proposed_tree(req_id, tokens) if k else None
+            if row is None:
+                continue
+            assert self._proposed is not None
+            parents[b] = self._proposed.parents[row].cpu()
+            anc_bits[b] = self._proposed.anc_bits[row].cpu()
+            num_nodes[b] = min(k, int(self._proposed.num_nodes[row]))
+            depth = self._proposed.depth[row, : k + 1].to(positions.device)
+            start = query_start[b]
+            positions[start : start + k + 1] = positions[start] + depth
+        self.masks.anc_bits[:batch] = anc_bits.to(self.device)
+        self.masks.active = True
+        self.batch = BatchTrees(parents.to(self.device), anc_bits.to(self.device), num_nodes.to(self.device))
+        self.paths = None
+
+    def end_step(self) -> None:
+        """No tree verify in flight: attention goes back to plain causal."""
+        self.masks.active = False
+        self.batch = None
