@@ -55,12 +55,10 @@ class DDTreeRejectionSampler(RejectionSampler):
     def forward(self, metadata: Any, draft_probs: torch.Tensor | None, logits: torch.Tensor,
                 sampling_metadata: Any) -> SamplerOutput:
         batch_trees = self.state.batch
-        if batch_trees is None:  # dummy / profiling runs verify no real trees
+        if batch_trees is None or batch_trees.chain_only:
+            # Dummy runs, and batches verified as chains (logprobs, penalties, ...): vLLM's own sampler is exact.
+            self.state.end_step()
             return super().forward(metadata, draft_probs, logits, sampling_metadata)
-        if sampling_metadata.max_num_logprobs is not None:
-            raise NotImplementedError(
-                "ddtree does not return logprobs of speculated tokens yet; drop 'logprobs' from the request"
-            )
         device = logits.device
         num_drafts = torch.tensor(metadata.num_draft_tokens, dtype=torch.int64, device=device)
         batch, width = num_drafts.shape[0], self.state.width

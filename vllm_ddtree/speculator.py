@@ -18,7 +18,7 @@ from vllm_ddtree.accept import AcceptedPaths
 from vllm_ddtree.config import DDTreeConfig, get_ddtree_config
 from vllm_ddtree.sampler import DDTreeRejectionSampler
 from vllm_ddtree.tree import DraftTrees, build_trees
-from vllm_ddtree.tree_state import DDTreeStepState
+from vllm_ddtree.tree_state import DDTreeStepState, needs_chain
 
 
 def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,6 +65,7 @@ class DDTreeProposer(DFlashProposer):
         self.runner = runner
         self.state = DDTreeStepState(ddtree, vllm_config.scheduler_config.max_num_seqs, device)
         self._trees: DraftTrees | None = None
+        self._chain = False
         if runner is not None:
             runner._ddtree_state = self.state
 
@@ -76,19 +77,29 @@ class DDTreeProposer(DFlashProposer):
         )
 
     def _greedy_sample(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Instead of DFlash's argmax chain: per-depth top-k of the drafter's D positions, then the trees."""
+        """Instead of DFlash's argmax chain: per-depth top-k of the drafter's D positions, then the trees (the
+        argmax chain itself, K = 1, for batches that must be verified as chains)."""
         depth, budget = self.ddtree.max_depth, self.ddtree.budget
         logits = self.model.compute_logits(hidden_states)
-        logprobs, ids = topk_logprobs(logits, self.ddtree.topk)
+        logprobs, ids = topk_logprobs(logits, 1 if self._chain else self.ddtree.topk)
         batch = hidden_states.shape[0] // depth
         self._trees = build_trees(logprobs.view(batch, depth, -1), ids.view(batch, depth, -1), budget)
         return ids[:, 0]
+
+    def _has_structured_output(self, batch: int) -> bool:
+        requests = self.runner.requests
+        return any(
+            getattr(requests[req_id].sampling_params, "structured_outputs", None) is not None
+            for req_id in self.runner.input_batch.req_ids[:batch]
+            if req_id in requests and requests[req_id].sampling_params is not None
+        )
 
     def propose(self, num_speculative_tokens: int, target_token_ids: torch.Tensor, target_positions: torch.Tensor,
                 target_hidden_states: torch.Tensor, next_token_ids: torch.Tensor,
                 token_indices_to_sample: torch.Tensor | None, common_attn_metadata: Any, sampling_metadata: Any,
                 mm_embed_inputs: Any = None, num_rejected_tokens_gpu: torch.Tensor | None = None,
                 slot_mappings: Any = None) -> torch.Tensor:
+        self._chain = needs_chain(sampling_metadata, self._has_structured_output(common_attn_metadata.batch_size()))
         paths = self.state.paths
         if paths is not None:
             target_hidden_states, target_positions = path_context(

@@ -9,6 +9,7 @@ remembered by request id and re-gathered in the new batch order.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -18,6 +19,21 @@ from vllm_ddtree.config import DDTreeConfig
 from vllm_ddtree.tree import DraftTrees
 
 
+def needs_chain(sampling_metadata: Any, has_structured_output: bool) -> bool:
+    """Whether the batch uses a feature whose vLLM implementation reads drafts as one sequence.
+
+    Logprobs, penalties, bad words, allowed-token masks and structured outputs are then served exactly by vLLM's
+    own chain rejection sampler: the batch is drafted and verified as DFlash chains for that step.
+    """
+    return (
+        sampling_metadata.max_num_logprobs is not None
+        or not sampling_metadata.no_penalties
+        or bool(sampling_metadata.bad_words_token_ids)
+        or sampling_metadata.allowed_token_ids_mask is not None
+        or has_structured_output
+    )
+
+
 @dataclass
 class BatchTrees:
     """Trees of the current verify step, one row per request in batch order (chains where no tree applies)."""
@@ -25,6 +41,7 @@ class BatchTrees:
     parents: torch.Tensor  # [B, W] int64
     anc_bits: torch.Tensor  # [B, W] int64
     num_nodes: torch.Tensor  # [B] int64, capped at the number of scheduled drafts
+    chain_only: bool  # every row is verified as a chain: vLLM's own rejection sampler applies
 
 
 class DDTreeStepState:
@@ -57,11 +74,11 @@ class DDTreeStepState:
         return row
 
     def begin_step(self, req_ids: list[str], drafts: list[list[int]], positions: torch.Tensor,
-                   query_start: list[int]) -> None:
+                   query_start: list[int], chain_only: bool = False) -> None:
         """Lay out this step's trees in batch order: depth RoPE positions in place, ancestor masks, walk inputs.
 
-        A request whose drafts are not a tree this worker proposed (or that has none) is verified as a chain,
-        which is the causal mask and linear positions vLLM already set up.
+        A request whose drafts are not a tree this worker proposed (or that has none), and every request when
+        ``chain_only``, is verified as a chain: the causal mask and linear positions vLLM already set up.
         """
         batch = len(req_ids)
         chain_parents = torch.arange(-1, self.width - 1, dtype=torch.int64)
@@ -71,7 +88,7 @@ class DDTreeStepState:
         for b, (req_id, tokens) in enumerate(zip(req_ids, drafts, strict=True)):
             k = len(tokens)
             num_nodes[b] = k
-            row = self.proposed_tree(req_id, tokens) if k else None
+            row = self.proposed_tree(req_id, tokens) if k and not chain_only else None
             if row is None:
                 continue
             assert self._proposed is not None
@@ -83,7 +100,9 @@ class DDTreeStepState:
             positions[start : start + k + 1] = positions[start] + depth
         self.masks.anc_bits[:batch] = anc_bits.to(self.device)
         self.masks.active = True
-        self.batch = BatchTrees(parents.to(self.device), anc_bits.to(self.device), num_nodes.to(self.device))
+        self.batch = BatchTrees(
+            parents.to(self.device), anc_bits.to(self.device), num_nodes.to(self.device), chain_only
+        )
         self.paths = None
 
     def end_step(self) -> None:

@@ -86,6 +86,7 @@ def create_speculative_config(self: Any, target_model_config: Any, target_parall
     """EngineArgs.create_speculative_config, accepting ``{"method": "ddtree", ...}``."""
     from vllm.config import SpeculativeConfig
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
 
     orig = EngineArgs._orig_create_speculative_config
     if not _requests_ddtree(self):
@@ -110,12 +111,12 @@ def create_speculative_config(self: Any, target_model_config: Any, target_parall
 
     draft_hf = spec_config.draft_model_config.hf_config if spec_config.draft_model_config else None
     spec_config.ddtree = resolve_ddtree_config(request, drafter_block_size(draft_hf))
-    logger.warning(
-        "vllm-ddtree %s: %s. The tree speculator is not wired into the model runner yet, so this build decodes "
-        "with the DFlash chain of the same width.",
-        METHOD,
-        spec_config.ddtree,
-    )
+    logger.info("vllm-ddtree: %s", spec_config.ddtree)
+    if current_platform.is_cuda():
+        logger.warning(
+            "vllm-ddtree: the Model Runner V2 (GPU) tree speculator is not wired in yet, so this build decodes "
+            "with the DFlash chain of the same width on GPUs; DDTree trees run on vLLM-CPU (Model Runner V1)."
+        )
     return spec_config
 
 

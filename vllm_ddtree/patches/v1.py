@@ -13,6 +13,7 @@ from typing import Any
 
 from vllm_ddtree.config import get_ddtree_config
 from vllm_ddtree.patches import patch_attr
+from vllm_ddtree.tree_state import needs_chain
 
 
 def _runner_init(self: Any, vllm_config: Any, device: Any, *args: Any, **kwargs: Any) -> None:
@@ -47,7 +48,8 @@ def _prepare_inputs(self: Any, scheduler_output: Any, num_scheduled_tokens: Any)
     spec = scheduler_output.scheduled_spec_decode_tokens
     drafts = [list(spec.get(req_id, ())) for req_id in req_ids]
     query_start = self.query_start_loc.np[: num_reqs + 1].tolist()
-    state.begin_step(req_ids, drafts, self.positions, query_start)
+    chain = needs_chain(self.input_batch.sampling_metadata, scheduler_output.has_structured_output_requests)
+    state.begin_step(req_ids, drafts, self.positions, query_start, chain_only=chain)
     return result
 
 
