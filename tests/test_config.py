@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import pickle
 from pathlib import Path
 
@@ -161,3 +162,32 @@ def test_plain_dflash_is_untouched(tiny_pair: tuple[Path, Path]) -> None:
     config = args.create_engine_config()
     assert get_ddtree_config(config) is None
     assert config.speculative_config.max_num_new_slots_for_drafting == 4
+
+
+def test_cuda_selects_model_runner_v2_and_refuses_an_explicit_v1(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.platforms import current_platform
+
+    from vllm_ddtree.patches import config as config_patches
+
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    config_patches._select_model_runner_v2()
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    with pytest.raises(DDTreeConfigError, match="VLLM_USE_V2_MODEL_RUNNER=0 asks for V1; unset it or set it to 1"):
+        config_patches._select_model_runner_v2()
+
+
+def test_cpu_keeps_v1_and_turns_async_scheduling_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from vllm_ddtree.patches import config as config_patches
+
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    config_patches._select_model_runner_v2()
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
+    args = SimpleNamespace(async_scheduling=None)
+    config_patches._disable_async_scheduling_on_v1(args)
+    assert args.async_scheduling is False
+    with pytest.raises(DDTreeConfigError, match="drop --async-scheduling"):
+        config_patches._disable_async_scheduling_on_v1(SimpleNamespace(async_scheduling=True))
