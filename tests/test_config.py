@@ -191,3 +191,22 @@ def test_cpu_keeps_v1_and_turns_async_scheduling_off(monkeypatch: pytest.MonkeyP
     assert args.async_scheduling is False
     with pytest.raises(DDTreeConfigError, match="drop --async-scheduling"):
         config_patches._disable_async_scheduling_on_v1(SimpleNamespace(async_scheduling=True))
+
+
+def test_unservable_targets_and_features_are_refused() -> None:
+    from types import SimpleNamespace
+
+    from vllm_ddtree.config import check_parallel_config, check_target_and_features
+
+    plain = SimpleNamespace(is_hybrid=False, has_inner_state=False, is_attention_free=False)
+    check_target_and_features(plain, None)
+    with pytest.raises(DDTreeConfigError, match="hybrid or recurrent targets"):
+        check_target_and_features(SimpleNamespace(is_hybrid=True), None)
+    with pytest.raises(DDTreeConfigError, match="attention-free"):
+        check_target_and_features(SimpleNamespace(is_attention_free=True), None)
+    with pytest.raises(DDTreeConfigError, match="KV connectors"):
+        check_target_and_features(plain, object())
+    with pytest.raises(DDTreeConfigError, match="pipeline parallelism"):
+        check_parallel_config(SimpleNamespace(pipeline_parallel_size=2))
+    with pytest.raises(DDTreeConfigError, match="decode_context_parallel_size=2"):
+        check_parallel_config(SimpleNamespace(decode_context_parallel_size=2))

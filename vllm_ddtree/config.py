@@ -198,6 +198,22 @@ def check_parallel_config(parallel_config: Any) -> None:
             )
 
 
+def check_target_and_features(target_model_config: Any, kv_transfer_config: Any) -> None:
+    """Refuse targets and deployment features the tree verify cannot serve, in one sentence each."""
+    if getattr(target_model_config, "is_hybrid", False) or getattr(target_model_config, "has_inner_state", False):
+        raise DDTreeConfigError(
+            "ddtree does not support hybrid or recurrent targets (mamba/linear-attention layers): their state "
+            "cannot branch over a draft tree; use method 'dflash' for this model."
+        )
+    if getattr(target_model_config, "is_attention_free", False):
+        raise DDTreeConfigError("ddtree needs an attention target; this model is attention-free.")
+    if kv_transfer_config is not None:
+        raise DDTreeConfigError(
+            "ddtree does not support KV connectors (--kv-transfer-config): layer-wise KV saves happen before the "
+            "accepted path is compacted; remove the KV transfer config."
+        )
+
+
 def get_ddtree_config(config: Any) -> DDTreeConfig | None:
     """The DDTreeConfig of a VllmConfig or SpeculativeConfig, or None when DDTree is off."""
     spec = getattr(config, "speculative_config", config)

@@ -17,6 +17,7 @@ from vllm_ddtree.config import (
     METHOD,
     DDTreeConfigError,
     check_parallel_config,
+    check_target_and_features,
     drafter_block_size,
     get_ddtree_config,
     resolve_ddtree_config,
@@ -95,6 +96,7 @@ def create_speculative_config(self: Any, target_model_config: Any, target_parall
     field_names = {f.name for f in dataclasses.fields(SpeculativeConfig)}
     vllm_dict, request = split_speculative_config(_merged_user_dict(self), field_names)
     check_parallel_config(target_parallel_config)
+    check_target_and_features(target_model_config, self.kv_transfer_config)
     _select_model_runner_v2()
     _disable_async_scheduling_on_v1(self)
 
