@@ -1,0 +1,196 @@
+"""GQA tree-verify attention: the fp32 reference against a naive loop, the Triton kernel against the reference
+(CPU through Triton's interpreter in a subprocess, CUDA at realistic sizes, CUDA-graph replay), and a timing table
+(``python tests/test_gqa_tree_attention.py`` on a GPU)."""
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_ddtree.gqa_tree_attention import gqa_tree_attention, gqa_tree_attention_ref
+
+REPO = Path(__file__).resolve().parent.parent
+# Block ids of q_len-0 padding requests and of unused block-table slots: reading one faults or trips a check.
+BAD_BLOCK = 1 << 30
+
+
+def tree_bits(rng: np.random.Generator, n: int, kind: str) -> list[int]:
+    """Ancestor-or-self bits of an n-node tree in topological order (node 0 is the root), as signed int64."""
+    if kind == "chain":
+        parents = list(range(-1, n - 1))
+    elif kind == "star":
+        parents = [-1] + [0] * (n - 1)
+    else:
+        parents = [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
+    anc: list[int] = []
+    for i, p in enumerate(parents):
+        anc.append((anc[p] if p >= 0 else 0) | (1 << i))
+    return [a - (1 << 64) if a >= 1 << 63 else a for a in anc]
+
+
+def make_case(
+    rng: np.random.Generator,
+    reqs: list[tuple[int, int, str]],
+    hq: int = 4,
+    hkv: int = 2,
+    d: int = 64,
+    page: int = 16,
+    dtype: torch.dtype = torch.bfloat16,
+    layout: str = "HND",
+    device: str = "cpu",
+    extra_rows: int = 0,
+) -> dict:
+    """reqs: (q_len, context length before the tail, tree kind). Pages are shuffled, unused cache slots are NaN,
+    q_len-0 requests have seq_len 0 and a block-table row of invalid ids, causal requests get garbage tree bits."""
+    lens = [q + c if q else 0 for q, c, _ in reqs]
+    need = [-(-n // page) for n in lens]
+    num_blocks = sum(need) + 3
+    perm = torch.from_numpy(rng.permutation(num_blocks)).int()
+    table = torch.full((len(reqs), max(need) + 2), BAD_BLOCK, dtype=torch.int32)
+    used = 0
+    for b, k in enumerate(need):
+        table[b, :k] = perm[used : used + k]
+        used += k
+    shape = (num_blocks, hkv, page, 2 * d) if layout == "HND" else (num_blocks, page, hkv, 2 * d)
+    phys = torch.full(shape, float("nan"), dtype=dtype)
+    cache = phys if layout == "HND" else phys.permute(0, 2, 1, 3)
+    for b, n in enumerate(lens):
+        for pos in range(n):
+            cache[table[b, pos // page], :, pos % page] = torch.randn(hkv, 2 * d).to(dtype)
+    q_lens = [q for q, _, _ in reqs]
+    qsl = torch.tensor([0, *np.cumsum(q_lens).tolist()], dtype=torch.int32)
+    bits: list[int] = []
+    for q, _, kind in reqs:
+        bits += tree_bits(rng, q, kind) if q <= 64 else [-1] * q
+    rows = int(qsl[-1]) + extra_rows
+    bits += [-1] * extra_rows
+    case = dict(
+        query=torch.randn(rows, hq, d).to(dtype),
+        kv_cache=cache,
+        block_table=table,
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        query_start_loc=qsl,
+        tree_bits=torch.tensor(bits, dtype=torch.int64),
+        scale=1.0 / math.sqrt(d),
+    )
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in case.items()}
+
+
+def run_kernel(case: dict, num_splits: int | None = None) -> torch.Tensor:
+    out = torch.full_like(case["query"], 7.0)
+    gqa_tree_attention(**case, out=out, num_splits=num_splits)
+    return out
+
+
+def check_close(out: torch.Tensor, case: dict, rel: float = 1e-2) -> None:
+    """Rows of requests match the reference within rel (of the reference's largest value); other rows untouched."""
+    ref = gqa_tree_attention_ref(**case)
+    covered = ~ref.isnan().any(-1).any(-1)
+    err = (out[covered].float() - ref[covered]).abs().max().item()
+    assert err <= rel * ref[covered].abs().max().item(), err
+    assert (out[~covered] == 7.0).all()
+
+
+def naive(case: dict) -> torch.Tensor:
+    """Per (row, head) loop with the visibility rule spelled out key by key."""
+    q, cache, table = case["query"].float(), case["kv_cache"].float(), case["block_table"]
+    hq, d = q.shape[1:]
+    page, group = cache.shape[2], hq // cache.shape[1]
+    qsl, lens, bits = case["query_start_loc"].tolist(), case["seq_lens"].tolist(), case["tree_bits"].tolist()
+    out = torch.full(q.shape, float("nan"))
+    for b, seq_len in enumerate(lens):
+        n = qsl[b + 1] - qsl[b]
+        for t in range(n):
+            row = qsl[b] + t
+            keys = [
+                j for j in range(seq_len)
+                if j < seq_len - n or (bits[row] >> (j - seq_len + n) & 1 if n <= 64 else j <= seq_len - n + t)
+            ]  # fmt: skip
+            for h in range(hq):
+                kv = torch.stack([cache[table[b, j // page], h // group, j % page] for j in keys])
+                p = torch.softmax(kv[:, :d] @ q[row, h] * case["scale"], 0)
+                out[row, h] = p @ kv[:, d:]
+    return out
+
+
+def test_reference_matches_naive_loop() -> None:
+    rng = np.random.default_rng(0)
+    torch.manual_seed(0)
+    reqs = [(5, 9, "random"), (0, 0, ""), (1, 20, "root"), (4, 0, "chain"), (70, 3, ""), (6, 17, "star")]
+    for layout in ("HND", "NHD"):
+        case = make_case(rng, reqs, hq=4, hkv=2, d=16, page=16, dtype=torch.float32, layout=layout)
+        ref, want = gqa_tree_attention_ref(**case), naive(case)
+        assert torch.allclose(ref, want, atol=1e-5, equal_nan=True)
+        assert ref.isnan().sum() == 0
+
+
+def chain_as_causal(rng: np.random.Generator, d: int = 16, dtype: torch.dtype = torch.float32) -> tuple[dict, dict]:
+    """A causal request of q_len 70 and a 64-node chain over the same cache and the causal request's last 64
+    queries: row i of the chain must equal row 6 + i of the causal request."""
+    causal = make_case(rng, [(70, 11, "")], d=d, dtype=dtype)
+    chain = dict(
+        causal,
+        query=causal["query"][6:].clone(),
+        query_start_loc=torch.tensor([0, 64], dtype=torch.int32),
+        tree_bits=torch.tensor(tree_bits(rng, 64, "chain"), dtype=torch.int64),
+    )
+    return chain, causal
+
+
+def test_reference_chain_tree_is_causal() -> None:
+    torch.manual_seed(1)
+    chain, causal = chain_as_causal(np.random.default_rng(1))
+    assert torch.allclose(gqa_tree_attention_ref(**chain), gqa_tree_attention_ref(**causal)[6:], atol=1e-6)
+
+
+def test_rejects_bad_shapes() -> None:
+    case = make_case(np.random.default_rng(2), [(2, 3, "chain")], d=16, dtype=torch.float32)
+    with pytest.raises(ValueError):
+        gqa_tree_attention(**dict(case, query=case["query"][..., :8]), out=case["query"][..., :8].clone())
+    with pytest.raises(ValueError):
+        gqa_tree_attention(**case, out=case["query"].double())
+
+
+# The interpreter flag must be set before Triton first compiles a kernel, so the check runs in a fresh process.
+INTERPRETER_CHECK = textwrap.dedent(
+    """
+    import numpy as np, torch
+    from test_gqa_tree_attention import chain_as_causal, check_close, make_case, run_kernel
+
+    torch.manual_seed(0)
+    rng = np.random.default_rng(7)
+    cases = [
+        # (requests, kwargs, num_splits)
+        ([(7, 40, "random")], dict(), 1),
+        ([(16, 50, "chain"), (1, 33, "root"), (0, 0, ""), (9, 5, "star")], dict(page=32), 3),
+        ([(12, 70, "random"), (0, 0, ""), (1, 100, "root"), (64, 2, "random")], dict(layout="NHD"), 2),
+        ([(66, 20, ""), (5, 30, "random")], dict(page=64, layout="NHD"), 1),
+        ([(66, 20, ""), (3, 0, "chain")], dict(dtype=torch.float32), 4),
+        ([(20, 60, "random"), (1, 17, "root")], dict(hq=8, hkv=2, d=128, dtype=torch.float32, layout="NHD"), 2),
+        ([(4, 90, "random"), (0, 0, "")], dict(hq=6, hkv=2, extra_rows=3), 2),
+        ([(1, 45, "root"), (1, 0, "root")], dict(hq=4, hkv=4), 1),
+    ]
+    for reqs, kw, splits in cases:
+        case = make_case(rng, reqs, **kw)
+        tol = 1e-4 if kw.get("dtype") == torch.float32 else 2e-2
+        check_close(run_kernel(case, splits), case, tol)
+    chain, causal = chain_as_causal(rng, d=64)
+    assert torch.allclose(run_kernel(chain, 2), run_kernel(causal, 1)[6:], atol=1e-5)
+    print("cases", len(cases))
+    """
+)
+
+
+def test_triton_interpreter_matches_reference() -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(REPO / "tests"), str(REPO)]))
+    proc = subprocess.run(
+        [sys.executable, "-c", INTERPRETER_CHECK], env=env, cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert int(proc.stdout.split()[-1]) == 8
