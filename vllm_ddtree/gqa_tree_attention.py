@@ -260,11 +260,13 @@ def gqa_tree_attention(
         return
     group = num_q_heads // num_kv_heads
     # M-tile: all heads of the group times as many rows as fit; size it from the average q_len (a static hint).
-    max_m = 128 if head_d <= 128 else 64
+    # Tiles shrink for D = 256 and fp32 (no tensor cores with ieee dots) to stay within registers and shared memory.
+    wide = head_d > 128 or query.dtype == torch.float32
     avg_q = triton.cdiv(num_rows, num_reqs)
-    block_m = max(16, min(max_m, triton.next_power_of_2(group * avg_q)), triton.next_power_of_2(group))
+    block_m = max(16, min(64 if wide else 128, triton.next_power_of_2(group * avg_q)), triton.next_power_of_2(group))
     block_q = block_m // group
-    block_n = 64 if head_d <= 128 else 32
+    block_n = 32 if wide else 64
+    num_stages = 1 if query.dtype == torch.float32 else (2 if wide else 3)
     num_q_tiles = num_rows // block_q + num_reqs
     if num_splits is None:
         num_splits = _default_num_splits(num_q_tiles, num_kv_heads, query.device)
@@ -283,7 +285,7 @@ def gqa_tree_attention(
         block_table.stride(0), out.stride(0), out.stride(1),
         NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_D=head_d, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_R=triton.next_power_of_2(num_reqs), PAGE=page, NUM_SPLITS=num_splits, DOT_PREC=dot_prec,
-        F32_DOT=f32_dot, num_warps=8 if block_m * head_d >= 128 * 128 else 4, num_stages=2,
+        F32_DOT=f32_dot, num_warps=8 if block_m * head_d >= 128 * 128 else 4, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
         block_h = min(16, triton.next_power_of_2(num_q_heads))
