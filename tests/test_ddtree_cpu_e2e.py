@@ -19,6 +19,7 @@ MAX_TOKENS = 24
 def cpu_engine_env() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc ships the probe with pickle
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +43,10 @@ def _generate(llm, prompts: list[dict], batch: int) -> list[list[int]]:
     for i in range(0, len(prompts), batch):
         out += [list(o.outputs[0].token_ids) for o in llm.generate(prompts[i : i + batch], params, use_tqdm=False)]
     return out
+
+
+def _worker_counters(worker) -> dict[str, int]:  # runs in the worker process
+    return dict(worker.model_runner._ddtree_state.counters)
 
 
 def _spec_counters(llm) -> dict[str, float]:
@@ -85,6 +90,10 @@ def test_greedy_ddtree_equals_target_greedy(tiny_pair: tuple[Path, Path], refere
     counters = _spec_counters(llm)
     assert counters["vllm:spec_decode_num_drafts"] > 0
     assert counters["vllm:spec_decode_num_accepted_tokens"] > 0, counters
+    (ran,) = llm.collective_rpc(_worker_counters)
+    assert ran["tree_steps"] > 0 and ran["chain_steps"] == 0, ran
+    if budget > 1:  # real trees were verified and paths off the first-child chain were accepted (KV compacted)
+        assert ran["branching_rows"] > 0 and ran["off_chain_paths"] > 0, ran
     del llm
 
 

@@ -79,6 +79,9 @@ class DDTreeRejectionSampler(RejectionSampler):
         paths = walk_trees(node_tokens, batch_trees.parents[:batch], batch_trees.anc_bits[:batch],
                            batch_trees.num_nodes[:batch], target_tokens, self.state.config.max_depth)
         self._compact(paths, batch)
+        depth = torch.arange(paths.accepted_nodes.shape[1], device=device)
+        off_chain = ((paths.accepted_nodes != depth) & (depth <= paths.num_accepted[:, None])).any(dim=1)
+        self.state.counters["off_chain_paths"] += int(off_chain.sum())  # V1 runs on the CPU: no device sync
         self.state.paths = paths
         self.state.end_step()
         out = paths.output_tokens[:, : metadata.max_spec_len + 1].to(torch.int32)

@@ -52,15 +52,8 @@ class DDTreeProposer(DFlashProposer):
     def __init__(self, vllm_config: Any, device: torch.device, runner: Any = None) -> None:
         ddtree = get_ddtree_config(vllm_config)
         assert ddtree is not None, "DDTreeProposer needs a ddtree speculative config"
-        spec = vllm_config.speculative_config
-        # The drafter's query buffers must hold 1 + max_depth tokens per request even when the budget is smaller.
-        budget = spec.num_speculative_tokens
-        spec.num_speculative_tokens = max(budget, ddtree.max_depth)
-        try:
-            super().__init__(vllm_config, device, runner)
-        finally:
-            spec.num_speculative_tokens = budget
-        self.num_speculative_tokens = budget
+        # Buffers sized for budget+1 queries per request also hold the drafter's 1+max_depth (max_depth <= budget).
+        super().__init__(vllm_config, device, runner)
         self.ddtree: DDTreeConfig = ddtree
         self.runner = runner
         self.state = DDTreeStepState(ddtree, vllm_config.scheduler_config.max_num_seqs, device)

@@ -19,18 +19,31 @@ from vllm_ddtree.config import DDTreeConfig
 from vllm_ddtree.tree import DraftTrees
 
 
+def _logits_processor_active(processor: Any) -> bool:
+    """Whether a non-argmax-invariant logits processor changes any row now (unknown processors: assume so)."""
+    for attr in ("min_toks", "biases"):  # vLLM's built-in min_tokens and logit_bias processors
+        if hasattr(processor, attr):
+            return bool(getattr(processor, attr))
+    if hasattr(processor, "min_p_count"):
+        return processor.min_p_count > 0
+    return True
+
+
 def needs_chain(sampling_metadata: Any, has_structured_output: bool) -> bool:
     """Whether the batch uses a feature whose vLLM implementation reads drafts as one sequence.
 
-    Logprobs, penalties, bad words, allowed-token masks and structured outputs are then served exactly by vLLM's
-    own chain rejection sampler: the batch is drafted and verified as DFlash chains for that step.
+    Logprobs, penalties, bad words, allowed-token masks, min_tokens (and other active logits processors) and
+    structured outputs are then served exactly by vLLM's own chain rejection sampler: the batch is drafted and
+    verified as DFlash chains for that step.
     """
+    processors = getattr(sampling_metadata, "logitsprocs", None)
     return (
         sampling_metadata.max_num_logprobs is not None
         or not sampling_metadata.no_penalties
         or bool(sampling_metadata.bad_words_token_ids)
         or sampling_metadata.allowed_token_ids_mask is not None
         or has_structured_output
+        or (processors is not None and any(_logits_processor_active(p) for p in processors.non_argmax_invariant))
     )
 
 
@@ -57,6 +70,9 @@ class DDTreeStepState:
         self._proposed: DraftTrees | None = None
         self.batch: BatchTrees | None = None
         self.paths: AcceptedPaths | None = None
+        # What actually ran (read by tests and debugging through collective_rpc): steps verified as trees, tree
+        # rows that branch, and accepted paths that left the first-child chain (their KV was compacted).
+        self.counters = {"tree_steps": 0, "chain_steps": 0, "branching_rows": 0, "off_chain_paths": 0}
 
     def record_proposal(self, req_ids: list[str], trees: DraftTrees) -> None:
         """Remember the trees just proposed, row i belonging to ``req_ids[i]``."""
@@ -81,6 +97,7 @@ class DDTreeStepState:
         ``chain_only``, is verified as a chain: the causal mask and linear positions vLLM already set up.
         """
         batch = len(req_ids)
+        self.counters["chain_steps" if chain_only else "tree_steps"] += 1
         chain_parents = torch.arange(-1, self.width - 1, dtype=torch.int64)
         parents = chain_parents.repeat(batch, 1)
         anc_bits = causal_bits(self.width, torch.device("cpu")).repeat(batch, 1)
@@ -93,6 +110,7 @@ class DDTreeStepState:
                 continue
             assert self._proposed is not None
             parents[b] = self._proposed.parents[row].cpu()
+            self.counters["branching_rows"] += int(not torch.equal(parents[b, : k + 1], chain_parents[: k + 1]))
             anc_bits[b] = self._proposed.anc_bits[row].cpu()
             num_nodes[b] = min(k, int(self._proposed.num_nodes[row]))
             depth = self._proposed.depth[row, : k + 1].to(positions.device)
