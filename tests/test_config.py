@@ -170,7 +170,9 @@ def test_cuda_selects_model_runner_v2_and_refuses_an_explicit_v1(monkeypatch: py
     from vllm_ddtree.patches import config as config_patches
 
     monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
-    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    # setenv first so that monkeypatch restores the original (unset) state: the patch writes os.environ itself.
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "unset")
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
     config_patches._select_model_runner_v2()
     assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
@@ -183,7 +185,8 @@ def test_cpu_keeps_v1_and_turns_async_scheduling_off(monkeypatch: pytest.MonkeyP
 
     from vllm_ddtree.patches import config as config_patches
 
-    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "unset")
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
     config_patches._select_model_runner_v2()
     assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
     args = SimpleNamespace(async_scheduling=None)
