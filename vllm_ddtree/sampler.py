@@ -1,4 +1,4 @@
-"""DDTreeRejectionSampler: verify draft trees instead of chains, then compact the accepted path's KV.
+"""DDTreeRejectionSampler (Model Runner V1, i.e. vLLM-CPU): verify draft trees, then compact the accepted path's KV.
 
 It replaces vLLM's rejection sampler and keeps its contract, so the scheduler sees an ordinary accepted prefix:
 ``sampled_token_ids`` holds the accepted path's tokens, then the bonus, then -1. Each node's target choice uses the
@@ -17,7 +17,7 @@ from vllm.v1.outputs import SamplerOutput
 from vllm.v1.sample.rejection_sampler import RejectionSampler, apply_sampling_constraints
 
 from vllm_ddtree.accept import walk_trees
-from vllm_ddtree.kv_compact import KVCompactor, compact_kv_slabs
+from vllm_ddtree.kv_compact import compact_kv_slabs
 from vllm_ddtree.tree_state import DDTreeStepState
 
 _SAMPLING_EPS = 1e-5
@@ -98,6 +98,10 @@ class DDTreeRejectionSampler(RejectionSampler):
             compactor(slot_mapping, query_start_loc, paths.accepted_nodes, paths.num_accepted)
 
     def _build_compactors(self) -> list[tuple[int, Callable[..., None]]]:
+        """One compaction per KV-cache group with target layers; vLLM-CPU packs every block for its ISA, so tokens
+        move through the layout map that the CPU tree-attention backend learns from CPU_ATTN itself."""
+        from vllm_ddtree.backends.cpu import cache_layout
+
         runner = self.runner
         draft_layers = set(getattr(runner.drafter, "_draft_attn_layer_names", ()))
         forward_context = runner.compilation_config.static_forward_context
@@ -107,15 +111,8 @@ class DDTreeRejectionSampler(RejectionSampler):
             if not layers:
                 continue
             caches = [layer.kv_cache for layer in layers]
-            isa = getattr(layers[0].impl, "isa", None)
-            if isa is not None:  # vLLM-CPU packs every block for its ISA: move tokens through the learned map
-                from vllm_ddtree.backends.cpu import cache_layout
-
-                cache = caches[0]
-                k_map, v_map = cache_layout(isa, cache.dtype, cache.shape[2], cache.shape[3] // 2)
-                token_elems = torch.cat([k_map, v_map], dim=1).to(cache.device)
-                compactors.append((group_id, partial(compact_kv_slabs, caches, token_elems)))
-            else:  # GPU backends: logical (num_blocks, num_kv_heads, block_size, 2*head_size)
-                compactors.append((group_id, KVCompactor(caches, 0, 2, runner.max_num_reqs,
-                                                         self.state.config.max_depth)))
+            cache = caches[0]
+            k_map, v_map = cache_layout(layers[0].impl.isa, cache.dtype, cache.shape[2], cache.shape[3] // 2)
+            token_elems = torch.cat([k_map, v_map], dim=1).to(cache.device)
+            compactors.append((group_id, partial(compact_kv_slabs, caches, token_elems)))
         return compactors
