@@ -52,6 +52,8 @@ def register() -> None:
     config_patches.apply()
     if current_platform.is_cpu():
         _register_cpu()
+    elif current_platform.is_cuda():
+        _register_cuda()
     _state["registered"] = True
 
 
@@ -63,3 +65,13 @@ def _register_cpu() -> None:
 
     register_backend(AttentionBackendEnum.CPU_ATTN, "vllm_ddtree.backends.cpu.DDTreeCPUAttentionBackend")
     v1_patches.apply()
+
+
+def _register_cuda() -> None:
+    """GPUs run Model Runner V2: the V2 seams plus the GQA tree-attention backend in vLLM's CUSTOM slot."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    from vllm_ddtree.patches import v2 as v2_patches
+
+    register_backend(AttentionBackendEnum.CUSTOM, "vllm_ddtree.backends.gqa.DDTreeGQABackend")
+    v2_patches.apply()

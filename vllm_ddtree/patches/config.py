@@ -83,11 +83,33 @@ def _disable_async_scheduling_on_v1(engine_args: Any) -> None:
     engine_args.async_scheduling = False
 
 
+def _select_tree_attention(engine_args: Any, target_model_config: Any) -> None:
+    """On GPUs the target verifies trees through DDTree's attention backend (registered as vLLM's CUSTOM)."""
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    if not current_platform.is_cuda():
+        return
+    if getattr(target_model_config, "use_mla", False):
+        raise DDTreeConfigError(
+            "ddtree on GPUs serves GQA/MHA targets in this build; MLA targets (DeepSeek-V3, Kimi-K2) need the DDTree "
+            "MLA backend, which is not wired in yet: use method 'dflash' for this model."
+        )
+    chosen = engine_args.attention_backend or engine_args.attention_config.backend
+    if chosen is None:
+        engine_args.attention_backend = AttentionBackendEnum.CUSTOM
+    elif chosen != AttentionBackendEnum.CUSTOM:
+        raise DDTreeConfigError(
+            f"ddtree verifies trees with its own attention backend (CUSTOM), but the target asks for "
+            f"{getattr(chosen, 'name', chosen)}; drop --attention-backend (set the drafter's backend with the "
+            f"speculative config's 'attention_backend' instead)."
+        )
+
+
 def create_speculative_config(self: Any, target_model_config: Any, target_parallel_config: Any) -> Any:
     """EngineArgs.create_speculative_config, accepting ``{"method": "ddtree", ...}``."""
     from vllm.config import SpeculativeConfig
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.platforms import current_platform
 
     orig = EngineArgs._orig_create_speculative_config
     if not _requests_ddtree(self):
@@ -98,6 +120,7 @@ def create_speculative_config(self: Any, target_model_config: Any, target_parall
     check_parallel_config(target_parallel_config)
     check_target_and_features(target_model_config, self.kv_transfer_config)
     _select_model_runner_v2()
+    _select_tree_attention(self, target_model_config)
     _disable_async_scheduling_on_v1(self)
 
     # Call vLLM with the DFlash dict, then restore the user's values: EngineArgs may build configs more than once.
@@ -114,11 +137,6 @@ def create_speculative_config(self: Any, target_model_config: Any, target_parall
     draft_hf = spec_config.draft_model_config.hf_config if spec_config.draft_model_config else None
     spec_config.ddtree = resolve_ddtree_config(request, drafter_block_size(draft_hf))
     logger.info("vllm-ddtree: %s", spec_config.ddtree)
-    if current_platform.is_cuda():
-        logger.warning(
-            "vllm-ddtree: the Model Runner V2 (GPU) tree speculator is not wired in yet, so this build decodes "
-            "with the DFlash chain of the same width on GPUs; DDTree trees run on vLLM-CPU (Model Runner V1)."
-        )
     return spec_config
 
 

@@ -1,0 +1,77 @@
+"""Model Runner V2 seams (GPUs), installed in every process; each is a no-op unless the config asks for ddtree.
+
+* ``model_runner.init_speculator`` (the module global the runner calls): ``DDTreeSpeculator`` instead of DFlash's.
+* ``DefaultModelState.custom_sampler``: vLLM's own hook for the rejection sampler; returns ``DDTreeRejectionSampler``.
+* ``GPUModelRunner.initialize_kv_cache``: afterwards, bind the tree sampler to the block tables and KV caches.
+* ``GPUModelRunner.prepare_attn``: after slot mappings were computed from linear positions, write the depth
+  positions of tree rows in place and the per-token tree bits the tree-attention backend reads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_ddtree.config import get_ddtree_config
+from vllm_ddtree.patches import patch_attr
+
+
+def _init_speculator(vllm_config: Any, device: Any) -> Any:
+    from vllm.v1.worker.gpu import model_runner
+
+    if get_ddtree_config(vllm_config) is None:
+        return model_runner._orig_init_speculator(vllm_config, device)
+    from vllm_ddtree.speculator import DDTreeSpeculator
+
+    return DDTreeSpeculator(vllm_config, device)
+
+
+def _custom_sampler(self: Any, sampler: Any) -> Any:
+    from vllm.v1.worker.gpu.model_states.default import DefaultModelState
+
+    spec_config = self.vllm_config.speculative_config
+    if get_ddtree_config(spec_config) is None:
+        return DefaultModelState._orig_custom_sampler(self, sampler)
+    from vllm_ddtree.sampler import DDTreeRejectionSampler
+
+    return sampler, DDTreeRejectionSampler(sampler, spec_config, self.device)
+
+
+def _initialize_kv_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    from vllm_ddtree.sampler import DDTreeRejectionSampler
+
+    result = GPUModelRunner._orig_initialize_kv_cache(self, *args, **kwargs)
+    if isinstance(getattr(self, "rejection_sampler", None), DDTreeRejectionSampler):
+        self.rejection_sampler.attach(self)
+    return result
+
+
+def _prepare_attn(self: Any, input_batch: Any) -> Any:
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    from vllm_ddtree.backends.tree_mask import current_tree_masks
+    from vllm_ddtree.speculator import DDTreeSpeculator
+    from vllm_ddtree.verify_layout import write_verify_layout
+
+    result = GPUModelRunner._orig_prepare_attn(self, input_batch)
+    speculator = getattr(self, "speculator", None)
+    masks = current_tree_masks()
+    if isinstance(speculator, DDTreeSpeculator) and masks is not None:
+        trees = speculator.trees
+        write_verify_layout(
+            input_batch.positions, masks.token_bits, input_batch.query_start_loc, input_batch.cu_num_logits,
+            input_batch.idx_mapping, trees.depth, trees.anc_bits, input_batch.num_reqs,
+        )  # fmt: skip
+    return result
+
+
+def apply() -> None:
+    """Install the V2 runner seams (idempotent)."""
+    from vllm.v1.worker.gpu import model_runner
+    from vllm.v1.worker.gpu.model_states.default import DefaultModelState
+
+    patch_attr(model_runner, "init_speculator", _init_speculator)
+    patch_attr(DefaultModelState, "custom_sampler", _custom_sampler)
+    patch_attr(model_runner.GPUModelRunner, "initialize_kv_cache", _initialize_kv_cache)
+    patch_attr(model_runner.GPUModelRunner, "prepare_attn", _prepare_attn)

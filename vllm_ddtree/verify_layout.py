@@ -1,0 +1,106 @@
+"""Lay out one target verify step of Model Runner V2: depth RoPE positions and per-token tree bits.
+
+V2 computes every token's slot from its *linear* position (``base + i``), then builds attention metadata from the
+same persistent ``positions`` buffer that the FULL CUDA graph reads. Between the two, DDTree rewrites the positions
+of each tree row in place to ``base + depth(node)`` (the RoPE position the node has on its own path) and writes the
+per-token ancestor words the tree-attention backend reads: bit ``j`` of ``token_bits[t]`` lets query ``t`` see the
+``j``-th of its request's last ``q_len`` keys. Rows that are not trees get causal words. After the sampler, the
+drafter needs the linear positions back (DFlash reads them for its context), which the same kernel restores.
+
+A batch row verifies a tree when it has drafts (``num_logits > 1``): its last ``num_logits`` tokens are the tree's
+root and first ``num_logits - 1`` nodes, and the tree lives in ``tree_depth``/``tree_anc`` at the row's request
+state index. One program per batch row; nothing is read on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm_ddtree.backends.tree_mask import MAX_TREE_WIDTH, causal_bits
+
+
+@triton.jit
+def _verify_layout_kernel(
+    positions,
+    token_bits,
+    query_start_loc,
+    cu_num_logits,
+    idx_mapping,
+    tree_depth,
+    tree_anc,
+    tree_stride,
+    LINEAR: tl.constexpr,
+    WRITE_BITS: tl.constexpr,
+    MAX_W: tl.constexpr,
+):
+    b = tl.program_id(0)
+    rsi = tl.load(idx_mapping + b).to(tl.int64)
+    q_start = tl.load(query_start_loc + b).to(tl.int64)
+    q_end = tl.load(query_start_loc + b + 1).to(tl.int64)
+    num_logits = (tl.load(cu_num_logits + b + 1) - tl.load(cu_num_logits + b)).to(tl.int64)
+    is_tree = (num_logits > 1) & (rsi >= 0)
+    i = tl.arange(0, MAX_W)
+    root = q_end - num_logits
+    on_tree = is_tree & (i < num_logits)
+    if WRITE_BITS:
+        # Causal words for the first min(q_len, 64) rows (longer rows are causal in the kernel), then the tree's.
+        row = i.to(tl.int64)
+        causal = tl.where(row >= 63, -1, (tl.full([MAX_W], 1, tl.int64) << (row + 1)) - 1)
+        anc = tl.load(tree_anc + rsi * tree_stride + i, mask=on_tree, other=0)
+        in_req = i < q_end - q_start
+        tl.store(token_bits + q_start + i, tl.where(on_tree, anc, causal), mask=in_req)
+    base = tl.load(positions + root, mask=is_tree, other=0)
+    if LINEAR:
+        new_pos = base + i
+    else:
+        new_pos = base + tl.load(tree_depth + rsi * tree_stride + i, mask=on_tree, other=0)
+    tl.store(positions + root + i, new_pos, mask=on_tree)
+
+
+def _launch(positions: torch.Tensor, token_bits: torch.Tensor | None, query_start_loc: torch.Tensor,
+            cu_num_logits: torch.Tensor, idx_mapping: torch.Tensor, tree_depth: torch.Tensor, tree_anc: torch.Tensor,
+            num_reqs: int, linear: bool) -> None:
+    if num_reqs == 0:
+        return
+    if tree_depth.stride() != tree_anc.stride() or tree_anc.stride(-1) != 1:
+        raise ValueError("tree_depth and tree_anc must be row-major buffers of one shape")
+    _verify_layout_kernel[(num_reqs,)](
+        positions, token_bits if token_bits is not None else positions, query_start_loc, cu_num_logits, idx_mapping,
+        tree_depth, tree_anc, tree_anc.stride(0),
+        LINEAR=linear, WRITE_BITS=token_bits is not None, MAX_W=MAX_TREE_WIDTH, num_warps=1,
+    )  # fmt: skip
+
+
+def write_verify_layout(positions: torch.Tensor, token_bits: torch.Tensor, query_start_loc: torch.Tensor,
+                        cu_num_logits: torch.Tensor, idx_mapping: torch.Tensor, tree_depth: torch.Tensor,
+                        tree_anc: torch.Tensor, num_reqs: int) -> None:
+    """Depth positions of every tree row in place, and the per-token ancestor words of the whole batch."""
+    _launch(positions, token_bits, query_start_loc, cu_num_logits, idx_mapping, tree_depth, tree_anc, num_reqs,
+            linear=False)
+
+
+def restore_linear_positions(positions: torch.Tensor, query_start_loc: torch.Tensor, cu_num_logits: torch.Tensor,
+                             idx_mapping: torch.Tensor, tree_depth: torch.Tensor, tree_anc: torch.Tensor,
+                             num_reqs: int) -> None:
+    """Undo the depth positions: tree rows get ``base + i`` again (what the drafter and vLLM's bookkeeping read)."""
+    _launch(positions, None, query_start_loc, cu_num_logits, idx_mapping, tree_depth, tree_anc, num_reqs,
+            linear=True)
+
+
+def verify_layout_reference(positions: torch.Tensor, token_bits: torch.Tensor, query_start_loc: torch.Tensor,
+                            cu_num_logits: torch.Tensor, idx_mapping: torch.Tensor, tree_depth: torch.Tensor,
+                            tree_anc: torch.Tensor, num_reqs: int) -> None:
+    """Plain-Python reference of ``write_verify_layout`` (same in-place effect)."""
+    causal = causal_bits(MAX_TREE_WIDTH, positions.device)
+    for b in range(num_reqs):
+        rsi = int(idx_mapping[b])
+        q_start, q_end = int(query_start_loc[b]), int(query_start_loc[b + 1])
+        num_logits = int(cu_num_logits[b + 1] - cu_num_logits[b])
+        rows = min(q_end - q_start, MAX_TREE_WIDTH)
+        token_bits[q_start : q_start + rows] = causal[:rows]
+        if num_logits > 1 and rsi >= 0:
+            root = q_end - num_logits
+            token_bits[root : root + num_logits] = tree_anc[rsi, :num_logits]
+            positions[root : root + num_logits] = positions[root] + tree_depth[rsi, :num_logits]
