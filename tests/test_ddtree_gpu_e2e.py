@@ -12,8 +12,11 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 # No torch.compile (fast start-up); decode steps still replay FULL CUDA graphs, the path being tested.
-ENGINE = dict(max_model_len=1024, dtype="bfloat16", max_num_seqs=8, seed=0, skip_tokenizer_init=True,
-              gpu_memory_utilization=0.3, disable_log_stats=False,
+# float32 by default: exact equality with the target's own greedy output needs no bf16 near-ties between the
+# verify kernel and the reference's attention (set DDTREE_GPU_DTYPE=bfloat16 to run the same checks in bf16).
+ENGINE = dict(max_model_len=1024, dtype=os.environ.get("DDTREE_GPU_DTYPE", "float32"), max_num_seqs=8, seed=0,
+              skip_tokenizer_init=True,
+              gpu_memory_utilization=0.05, disable_log_stats=False,
               compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})
 MAX_TOKENS = 32
 

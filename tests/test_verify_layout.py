@@ -26,7 +26,7 @@ def random_step(seed: int, device: str = "cpu") -> dict:
     trees = TreeBuffers(max_reqs, budget, torch.device(device))
     lp = -torch.rand(max_reqs, 6, 4, generator=gen).sort(dim=-1).values.flip(-1).cumsum(-1)
     ids = torch.randint(0, 50, (max_reqs, 6, 4), generator=gen)
-    trees.store(torch.arange(max_reqs), build_trees_torch(lp, ids, budget))
+    trees.store(torch.arange(max_reqs, device=device), build_trees_torch(lp.to(device), ids.to(device), budget))
     num_reqs = int(torch.randint(1, max_reqs + 1, (1,), generator=gen))
     idx = torch.randperm(max_reqs, generator=gen)[:num_reqs].to(torch.int32)
     q_lens, logits = [], []

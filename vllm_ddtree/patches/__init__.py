@@ -14,6 +14,7 @@ def patch_attr(owner: Any, name: str, replacement: Any) -> bool:
     orig_name = f"_orig_{name}"
     if orig_name in vars(owner):
         return False
-    setattr(owner, orig_name, vars(owner)[name])
+    # An inherited attribute is patched on ``owner`` itself; the original then comes from the base class.
+    setattr(owner, orig_name, vars(owner)[name] if name in vars(owner) else getattr(owner, name))
     setattr(owner, name, replacement)
     return True
