@@ -92,6 +92,35 @@ def run_kernel(case: dict, num_splits: int | None = None) -> torch.Tensor:
     return out
 
 
+def context_attention(case: dict, empty_lse: float = float("inf")) -> tuple[torch.Tensor, torch.Tensor]:
+    """What FlashAttention returns for each request's keys before its last q_len: ``out`` [T, Hq, D] (query dtype)
+    and ``lse`` [Hq, T] (natural log; rows with no context get ``empty_lse``, FlashAttention's +inf)."""
+    q, cache, table = case["query"].float(), case["kv_cache"].float(), case["block_table"]
+    rows, hq, d = q.shape
+    page, group = cache.shape[2], hq // cache.shape[1]
+    out = torch.zeros(rows, hq, d, device=q.device)
+    lse = torch.full((hq, rows), empty_lse, device=q.device)
+    qsl, lens = case["query_start_loc"].tolist(), case["seq_lens"].tolist()
+    for b, seq_len in enumerate(lens):
+        q0, q1 = qsl[b], qsl[b + 1]
+        ctx = seq_len - (q1 - q0)
+        if q1 == q0 or ctx <= 0:
+            continue
+        pages = table[b, : -(-ctx // page)].long()
+        kv = cache[pages].permute(1, 0, 2, 3).reshape(cache.shape[1], -1, 2 * d)[:, :ctx]
+        k, v = kv[..., :d].repeat_interleave(group, 0), kv[..., d:].repeat_interleave(group, 0)
+        s = (q[q0:q1].transpose(0, 1) @ k.transpose(1, 2)) * case["scale"]  # [Hq, n, ctx]
+        lse[:, q0:q1] = torch.logsumexp(s, -1)
+        out[q0:q1] = (torch.softmax(s, -1) @ v).transpose(0, 1)
+    return out.to(case["query"].dtype), lse
+
+
+def run_tail_kernel(case: dict, prefix: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    out = torch.full_like(case["query"], 7.0)
+    gqa_tree_attention(**case, out=out, prefix_out=prefix[0], prefix_lse=prefix[1])
+    return out
+
+
 def check_close(out: torch.Tensor, case: dict, rel: float = 1e-2, untouched: bool = True) -> None:
     """Rows of requests match the reference within rel (of the reference's largest value, and as a norm ratio);
     rows of no request still hold the 7.0 run_kernel put there."""
@@ -168,7 +197,9 @@ def test_rejects_bad_shapes() -> None:
 INTERPRETER_CHECK = textwrap.dedent(
     """
     import numpy as np, torch
-    from test_gqa_tree_attention import chain_as_causal, check_close, make_case, run_kernel
+    from test_gqa_tree_attention import (
+        chain_as_causal, check_close, context_attention, make_case, run_kernel, run_tail_kernel,
+    )
 
     torch.manual_seed(0)
     rng = np.random.default_rng(7)
@@ -187,6 +218,8 @@ INTERPRETER_CHECK = textwrap.dedent(
         case = make_case(rng, reqs, **kw)
         tol = 1e-4 if kw.get("dtype") == torch.float32 else 2e-2
         check_close(run_kernel(case, splits), case, tol)
+        # The same case with the context attended elsewhere (FlashAttention's out + lse) and only the tail here.
+        check_close(run_tail_kernel(case, context_attention(case, float("inf" if splits % 2 else "-inf"))), case, tol)
     chain, causal = chain_as_causal(rng, d=64)
     assert torch.allclose(run_kernel(chain, 2), run_kernel(causal, 1)[6:], atol=1e-5)
     print("cases", len(cases))
@@ -238,10 +271,31 @@ def test_cuda_varlen_mix(dtype: torch.dtype) -> None:
         case = make_case(rng, reqs, **dict(GPU_SHAPE, d=d), page=16, dtype=dtype, rows=500)
         for splits in (None, 5):
             check_close(run_kernel(case, splits), case)
+    case = make_case(rng, reqs, **GPU_SHAPE, page=16, dtype=torch.bfloat16, rows=500)
+    check_close(run_tail_kernel(case, flash_context(case)), case)
     chain, causal = chain_as_causal(rng, d=128)
     chain = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in chain.items()}
     causal = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in causal.items()}
     torch.testing.assert_close(run_kernel(chain, 3), run_kernel(causal, 1)[6:], atol=1e-5, rtol=1e-5)
+
+
+def flash_context(case: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The context part from vLLM's FlashAttention, as the DDTree GQA backend calls it."""
+    from vllm_ddtree.backends.gqa import flash_context_attention
+
+    q_lens = case["query_start_loc"][1:] - case["query_start_loc"][:-1]
+    return flash_context_attention(case["query"], case["kv_cache"], case["block_table"],
+                                   case["seq_lens"] - q_lens, case["query_start_loc"], case["scale"],
+                                   max_query_len=int(q_lens.max()), max_seq_len=int(case["seq_lens"].max()))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(GPU_CASES))
+def test_cuda_flash_context_plus_tree_tail(name: str) -> None:
+    torch.manual_seed(5)
+    batch, seq_len, width, kw = GPU_CASES[name]
+    case = make_case(np.random.default_rng(5), [(width, seq_len - width, "random")] * batch, **GPU_SHAPE, **kw)
+    check_close(run_tail_kernel(case, flash_context(case)), case)
 
 
 def capture(case: dict, num_splits: int | None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:

@@ -48,8 +48,10 @@ def _attend_tile(
     MASKED: tl.constexpr,
     DOT_PREC: tl.constexpr,
     F32_DOT: tl.constexpr,
+    SKIP_CONTEXT: tl.constexpr = False,
 ):
-    """One KV tile of the online softmax. Scores are kept in log2 units (qk_scale includes log2 e)."""
+    """One KV tile of the online softmax. Scores are kept in log2 units (qk_scale includes log2 e). With
+    SKIP_CONTEXT the keys before the tail are left out (another kernel already attended them)."""
     n = tl.arange(0, BLOCK_N)
     d = tl.arange(0, HEAD_D)
     k_pos = tile * BLOCK_N + n
@@ -69,7 +71,11 @@ def _attend_tile(
         jj = tl.minimum(tl.maximum(j, 0), 63).to(tl.int64)
         tree_vis = ((bits[:, None] >> jj[None, :]) & 1) != 0
         causal_vis = j[None, :] <= qi[:, None]
-        vis = (j[None, :] < 0) | tl.where(is_tree, tree_vis, causal_vis)
+        vis = tl.where(is_tree, tree_vis, causal_vis)
+        if SKIP_CONTEXT:
+            vis = vis & (j[None, :] >= 0)
+        else:
+            vis = vis | (j[None, :] < 0)
         s = tl.where(vis & k_ok[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     # A row that has seen nothing yet keeps m = -inf; shift by 0 then so exp2 gives 0 rather than NaN.
@@ -95,6 +101,8 @@ def _gqa_tree_attn_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
+    prefix_out_ptr,
+    prefix_lse_ptr,
     num_reqs,
     num_rows,
     qk_scale,
@@ -106,6 +114,9 @@ def _gqa_tree_attn_kernel(
     s_bt,
     s_ot,
     s_oh,
+    s_pt,
+    s_ph,
+    s_lh,
     NUM_Q_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_D: tl.constexpr,
@@ -117,6 +128,7 @@ def _gqa_tree_attn_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_PREC: tl.constexpr,
     F32_DOT: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
 ):
     """Grid (query tiles, KV heads, splits). Query tiles are numbered as in vLLM's unified attention: request b's
     tiles start at qsl[b] // BLOCK_Q + b, so T // BLOCK_Q + B programs cover any q_len mix without host reads."""
@@ -158,6 +170,25 @@ def _gqa_tree_attn_kernel(
 
     kv_base = kv_ptr + kvh.to(tl.int64) * s_kvh
     bt_row = bt_ptr + b.to(tl.int64) * s_bt
+    if HAS_PREFIX:
+        # The context keys were attended by another kernel (FlashAttention): start from its normalised output and
+        # log-sum-exp (natural log, [Hq, T]); an empty context reports lse = +-inf and contributes nothing.
+        lse = tl.load(prefix_lse_ptr + head * s_lh + row, mask=row_ok, other=float("-inf"))
+        seen = (lse == lse) & (lse != float("inf")) & (lse != float("-inf"))
+        prev = tl.load(prefix_out_ptr + row[:, None] * s_pt + head[:, None] * s_ph + d[None, :],
+                       mask=row_ok[:, None] & seen[:, None], other=0.0)
+        acc = prev.to(tl.float32)
+        m_i = tl.where(seen, lse * 1.4426950408889634, float("-inf"))
+        l_i = tl.where(seen, 1.0, 0.0)
+        for t in range(first_masked, num_tiles):
+            acc, m_i, l_i = _attend_tile(
+                q, acc, m_i, l_i, t, kv_base, bt_row, kv_end, tail, bits, qi, is_tree, s_blk, s_tok, qk_scale,
+                HEAD_D, BLOCK_N, PAGE, True, DOT_PREC, F32_DOT, True,
+            )  # fmt: skip
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        dst = out_ptr + row[:, None] * s_ot + head[:, None] * s_oh + d[None, :]
+        tl.store(dst, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        return
     acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -245,11 +276,17 @@ def gqa_tree_attention(
     scale: float,
     out: torch.Tensor,
     num_splits: int | None = None,
+    prefix_out: torch.Tensor | None = None,
+    prefix_lse: torch.Tensor | None = None,
 ) -> None:
     """Tree-verify attention into ``out`` [T, Hq, D]. ``kv_cache`` is the logical (blocks, Hkv, page, 2D) view
     (K in [..., :D], V in [..., D:]) with any physical stride order; ``seq_lens`` count this step's tokens.
     ``num_splits`` (default: one wave of programs, from shapes and SM count) fixes the KV split count; it is a
-    launch constant, so the call can be captured in a CUDA graph and replayed with new lengths, tables and trees."""
+    launch constant, so the call can be captured in a CUDA graph and replayed with new lengths, tables and trees.
+
+    With ``prefix_out`` [T, Hq, D] and ``prefix_lse`` [Hq, T] (natural log; FlashAttention's ``out`` and
+    ``softmax_lse`` over each request's keys before its last ``q_len``), only the tail keys are read here and
+    merged into that result: the long context runs on FlashAttention, the tree mask only where it applies."""
     num_rows, num_q_heads, head_d = query.shape
     num_blocks, num_kv_heads, page, two_d = kv_cache.shape
     if two_d != 2 * head_d or num_q_heads % num_kv_heads or kv_cache.stride(-1) != 1 or query.stride(-1) != 1:
@@ -272,7 +309,14 @@ def gqa_tree_attention(
     num_stages = 1 if query.dtype == torch.float32 else (2 if wide else 3)
     num_q_tiles = num_rows // block_q + num_reqs
     big_tile = block_m * head_d >= 128 * 128
-    if num_splits is None:
+    has_prefix = prefix_out is not None
+    if has_prefix != (prefix_lse is not None):
+        raise ValueError("prefix_out and prefix_lse go together")
+    if has_prefix:
+        if prefix_out.shape != query.shape or prefix_out.stride(-1) != 1 or prefix_lse.shape != (num_q_heads, num_rows):
+            raise ValueError(f"prefix_out must be {tuple(query.shape)} and prefix_lse ({num_q_heads}, {num_rows})")
+        num_splits = 1  # the tail is at most 64 keys for tree rows
+    elif num_splits is None:
         num_splits = _default_num_splits(num_rows, block_q, num_kv_heads, big_tile, query.device)
     # Triton 3.6's interpreter multiplies bf16 dot operands as raw bits: there the dots run on fp32 copies.
     f32_dot = query.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
@@ -282,14 +326,17 @@ def gqa_tree_attention(
         part_lse = torch.empty(num_splits, num_rows, num_q_heads, dtype=torch.float32, device=query.device)
     else:
         part_out = part_lse = out  # unused by the single-pass kernel
+    pre_out = prefix_out if has_prefix else out
+    pre_lse = prefix_lse if has_prefix else part_lse
     _gqa_tree_attn_kernel[(num_q_tiles, num_kv_heads, num_splits)](
-        query, kv_cache, block_table, seq_lens, query_start_loc, tree_bits, out, part_out, part_lse,
-        num_reqs, num_rows, scale * _LOG2E,
+        query, kv_cache, block_table, seq_lens, query_start_loc, tree_bits, out, part_out, part_lse, pre_out,
+        pre_lse, num_reqs, num_rows, scale * _LOG2E,
         query.stride(0), query.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-        block_table.stride(0), out.stride(0), out.stride(1),
+        block_table.stride(0), out.stride(0), out.stride(1), pre_out.stride(0), pre_out.stride(1),
+        prefix_lse.stride(0) if has_prefix else 0,
         NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_D=head_d, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_R=triton.next_power_of_2(num_reqs), PAGE=page, NUM_SPLITS=num_splits, DOT_PREC=dot_prec,
-        F32_DOT=f32_dot, num_warps=8 if big_tile else 4, num_stages=num_stages,
+        F32_DOT=f32_dot, HAS_PREFIX=has_prefix, num_warps=8 if big_tile else 4, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
         block_h = min(16, triton.next_power_of_2(num_q_heads))

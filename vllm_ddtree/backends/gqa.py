@@ -1,14 +1,19 @@
 """DDTree's tree-verify attention for GQA targets (Qwen3 / Llama architectures) on GPUs, vLLM's ``CUSTOM`` backend.
 
 It is vLLM's Triton attention backend (same paged cache layout, logical ``(blocks, kv_heads, page, 2*head)``, and
-the same cache writes) with the attention itself replaced by ``gqa_tree_attention``: query ``t`` sees its request's
-prefix and the tail keys allowed by ``token_bits[t]``, which the runner's ``prepare_attn`` hook writes every step
-(causal words for ordinary rows, ancestor words for tree rows). The bits live in one persistent buffer, so the
-verify step and the drafter stay in FULL CUDA graphs; the builder reports ``UNIFORM_BATCH``.
+the same cache writes) with the attention itself replaced: query ``t`` sees its request's context (every key
+before its last ``q_len``) and the tail keys allowed by ``token_bits[t]``, which the runner's ``prepare_attn``
+hook writes every step (causal words for ordinary rows, ancestor words for tree rows). The context, which is where
+the time goes at long lengths, runs on vLLM's FlashAttention (one read of the cache for all tree rows and heads of
+a KV head, no mask); ``gqa_tree_attention`` then attends the masked tail and merges it into FlashAttention's
+output by log-sum-exp. Where FlashAttention cannot run (float32, no build for the GPU) the Triton kernel does both.
+Every tensor lives in persistent buffers, so the verify step and the drafter stay in FULL CUDA graphs; the builder
+reports ``UNIFORM_BATCH``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -24,10 +29,67 @@ from vllm_ddtree.backends.tree_mask import current_tree_masks
 from vllm_ddtree.gqa_tree_attention import gqa_tree_attention
 
 
+def flash_attention_version() -> int | None:
+    """vLLM's FlashAttention version for this GPU, or None where its varlen kernel is unavailable."""
+    from vllm.v1.attention.backends.fa_utils import get_flash_attn_version, is_flash_attn_varlen_func_available
+
+    if not is_flash_attn_varlen_func_available():
+        return None
+    return get_flash_attn_version()
+
+
+def flash_context_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                            context_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+                            max_query_len: int, max_seq_len: int, num_splits: int = 0,
+                            fa_version: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each request's rows against its context keys only (``context_lens`` = seq_len - q_len), unmasked:
+    FlashAttention's output [T, Hq, D] and log-sum-exp [Hq, T]. ``kv_cache`` is the logical Triton layout."""
+    from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
+
+    head = query.shape[-1]
+    key_cache, value_cache = kv_cache.transpose(1, 2).split(head, dim=-1)
+    version = fa_version if fa_version is not None else flash_attention_version()
+    out, lse = flash_attn_varlen_func(
+        q=query, k=key_cache, v=value_cache, max_seqlen_q=max_query_len, cu_seqlens_q=query_start_loc,
+        max_seqlen_k=max_seq_len, seqused_k=context_lens, softmax_scale=scale, causal=False,
+        block_table=block_table, return_softmax_lse=True, num_splits=num_splits, fa_version=version,
+    )  # fmt: skip
+    return out, lse
+
+
+@dataclass
+class DDTreeGQAMetadata(TritonAttentionMetadata):
+    """Triton attention metadata plus the per-request context lengths and FlashAttention's split bound."""
+
+    context_lens: torch.Tensor | None = None
+    max_num_splits: int = 0
+
+
 class DDTreeGQAMetadataBuilder(TritonAttentionMetadataBuilder):
-    """Triton attention metadata; every tensor the tree kernel reads is persistent (runner buffers, token bits)."""
+    """Triton attention metadata; every tensor the kernels read is persistent (runner buffers, token bits, and
+    the context lengths, recomputed into one buffer every step because V2 rebuilds metadata outside the graph)."""
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
+
+    def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.context_lens = torch.zeros(vllm_config.scheduler_config.max_num_seqs, dtype=torch.int32, device=device)
+        compilation = vllm_config.compilation_config
+        # Under FULL graphs FlashAttention's split count must be bounded at capture (vLLM's own FA backend rule).
+        self.graph_num_splits = (
+            vllm_config.attention_config.flash_attn_max_num_splits_for_cuda_graph
+            if compilation.cudagraph_mode.has_full_cudagraphs() else 0
+        )
+        self.max_graph_tokens = compilation.max_cudagraph_capture_size or 0
+
+    def build(self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False) -> DDTreeGQAMetadata:
+        base = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        num_reqs = common_attn_metadata.num_reqs
+        qsl = common_attn_metadata.query_start_loc
+        context = self.context_lens[:num_reqs]
+        torch.sub(common_attn_metadata.seq_lens[:num_reqs], qsl[1 : num_reqs + 1] - qsl[:num_reqs], out=context)
+        splits = self.graph_num_splits if base.num_actual_tokens <= self.max_graph_tokens else 0
+        return DDTreeGQAMetadata(**vars(base), context_lens=context, max_num_splits=splits)
 
 
 class DDTreeGQAImpl(TritonAttentionImpl):
@@ -52,6 +114,7 @@ class DDTreeGQAImpl(TritonAttentionImpl):
                 f"serve this target without ddtree or with a plain bf16/fp16 KV cache."
             )
         self.supports_quant_query_input = False
+        self.fa_version = flash_attention_version()
 
     def forward(self, layer: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: TritonAttentionMetadata, output: torch.Tensor,
@@ -65,10 +128,18 @@ class DDTreeGQAImpl(TritonAttentionImpl):
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("the ddtree GQA backend does not fuse output quantization")
         num_tokens = attn_metadata.num_actual_tokens
+        query = query[:num_tokens]
+        context = None
+        if self.fa_version is not None and query.dtype in (torch.float16, torch.bfloat16):
+            context = flash_context_attention(
+                query, kv_cache, attn_metadata.block_table, attn_metadata.context_lens,
+                attn_metadata.query_start_loc, self.scale, attn_metadata.max_query_len, attn_metadata.max_seq_len,
+                attn_metadata.max_num_splits, self.fa_version,
+            )  # fmt: skip
         gqa_tree_attention(
-            query[:num_tokens], kv_cache, attn_metadata.block_table, attn_metadata.seq_lens,
-            attn_metadata.query_start_loc, masks.token_bits[:num_tokens], self.scale,
-            output[:num_tokens].view(num_tokens, self.num_heads, self.head_size),
+            query, kv_cache, attn_metadata.block_table, attn_metadata.seq_lens, attn_metadata.query_start_loc,
+            masks.token_bits[:num_tokens], self.scale, output[:num_tokens].view(num_tokens, self.num_heads, -1),
+            prefix_out=context[0] if context else None, prefix_lse=context[1] if context else None,
         )  # fmt: skip
         return output
 
