@@ -109,28 +109,39 @@ def main() -> None:
         run_one(args)
         return
     configs = ([] if args.no_baseline else [("none", 0)]) + [(m, b) for b in args.budgets for m in ("dflash", "ddtree")]
-    rows = []
+    rows: list[dict] = []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as workdir:
         for method, budget in configs:
             cmd = [sys.executable, __file__, "--one", method, str(budget), "--workdir", workdir, "--steps",
                    str(args.steps), "--repeats", str(args.repeats), "--contexts", *map(str, args.contexts),
                    "--batches", *map(str, args.batches)]  # fmt: skip
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            found = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-            if proc.returncode or not found:
-                print(f"{method} budget {budget} failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
-            rows += found
-    chain = {(r["budget"], r["context"], r["batch"]): r["step_ms"] for r in rows if r["method"] == "dflash"}
+            # Stream the child's results: a run cut short still leaves every finished row on disk and on screen.
+            with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+                for line in proc.stdout:
+                    if line.startswith("RESULT "):
+                        rows.append(json.loads(line[7:]))
+                        print(line.strip(), flush=True)
+                        _write(args.out, rows)
+                err = proc.stderr.read()
+            if proc.returncode:
+                print(f"{method} budget {budget} failed (rc {proc.returncode}):\n{err[-3000:]}", flush=True)
+    _write(args.out, rows)
     print(f"{'method':8} {'budget':>6} {'ctx':>6} {'batch':>5} {'step ms':>8} {'vs chain':>8}")
+    for r in rows:
+        ratio = f"{r['vs_chain']:.3f}" if r.get("vs_chain") else ""
+        print(f"{r['method']:8} {r['budget']:>6} {r['context']:>6} {r['batch']:>5} {r['step_ms']:>8.3f} {ratio:>8}")
+
+
+def _write(path: Path, rows: list[dict]) -> None:
+    """The JSON report, with each ddtree row's ratio to the chain step of the same width, context and batch."""
+    chain = {(r["budget"], r["context"], r["batch"]): r["step_ms"] for r in rows if r["method"] == "dflash"}
     for r in rows:
         ref = chain.get((r["budget"], r["context"], r["batch"])) if r["method"] == "ddtree" else None
         r["vs_chain"] = round(r["step_ms"] / ref, 3) if ref else None
-        ratio = f"{r['vs_chain']:.3f}" if ref else ""
-        print(f"{r['method']:8} {r['budget']:>6} {r['context']:>6} {r['batch']:>5} {r['step_ms']:>8.3f} {ratio:>8}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": "H200", "target": "Qwen3-4B geometry, dummy weights, bf16",
-                                    "drafter": f"DFlash {DRAFT_LAYERS} layers, block {DRAFT_BLOCK}, dummy",
-                                    "graphs": "FULL_DECODE_ONLY, no torch.compile", "rows": rows}, indent=1))
+    path.write_text(json.dumps({"machine": "H200", "target": "Qwen3-4B geometry, dummy weights, bf16",
+                                "drafter": f"DFlash {DRAFT_LAYERS} layers, block {DRAFT_BLOCK}, dummy",
+                                "graphs": "FULL_DECODE_ONLY, no torch.compile", "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
