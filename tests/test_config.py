@@ -180,6 +180,29 @@ def test_cuda_selects_model_runner_v2_and_refuses_an_explicit_v1(monkeypatch: py
         config_patches._select_model_runner_v2()
 
 
+def test_cuda_picks_the_tree_attention_backend_for_the_target(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from vllm_ddtree.patches import config as config_patches
+
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+    gqa = SimpleNamespace(use_mla=False)
+    args = SimpleNamespace(attention_backend=None, attention_config=SimpleNamespace(backend=None))
+    config_patches._select_tree_attention(args, gqa)
+    assert args.attention_backend == AttentionBackendEnum.CUSTOM
+    config_patches._select_tree_attention(args, gqa)  # an explicit CUSTOM is kept
+    assert args.attention_backend == AttentionBackendEnum.CUSTOM
+    flash = SimpleNamespace(backend=AttentionBackendEnum.FLASH_ATTN)
+    args = SimpleNamespace(attention_backend=None, attention_config=flash)
+    with pytest.raises(DDTreeConfigError, match="asks for FLASH_ATTN; drop --attention-backend"):
+        config_patches._select_tree_attention(args, gqa)
+    with pytest.raises(DDTreeConfigError, match="MLA targets"):
+        config_patches._select_tree_attention(args, SimpleNamespace(use_mla=True))
+
+
 def test_cpu_keeps_v1_and_turns_async_scheduling_off(monkeypatch: pytest.MonkeyPatch) -> None:
     from types import SimpleNamespace
 
