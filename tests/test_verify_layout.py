@@ -141,3 +141,12 @@ def test_cuda_layout_kernel_matches_reference() -> None:
         write_verify_layout(**got)
         assert torch.equal(want["positions"], got["positions"].cpu())
         assert torch.equal(want["token_bits"], got["token_bits"].cpu())
+
+
+def test_mla_backend_causal_words_per_token() -> None:
+    from vllm_ddtree.backends.mla import causal_token_bits
+
+    words = causal_token_bits([0, 3, 4, 70], 70)
+    assert words[:4].tolist() == [1, 3, 7, 1]
+    assert torch.equal(words[4:68], causal_bits(64))  # a 66-token row: words of its first 64, then all bits
+    assert words[68:].tolist() == [-1, -1]

@@ -5,6 +5,8 @@
 * ``GPUModelRunner.initialize_kv_cache``: afterwards, bind the tree sampler to the block tables and KV caches.
 * ``GPUModelRunner.prepare_attn``: after slot mappings were computed from linear positions, write the depth
   positions of tree rows in place and the per-token tree bits the tree-attention backend reads.
+* ``CudaPlatform.get_attn_backend_cls``: vLLM has one ``CUSTOM`` slot; point it at the MLA or the GQA tree backend
+  for the layer being built (a model's target layers are all MLA or all not).
 """
 
 from __future__ import annotations
@@ -66,6 +68,19 @@ def _prepare_attn(self: Any, input_batch: Any) -> Any:
     return result
 
 
+GQA_BACKEND = "vllm_ddtree.backends.gqa.DDTreeGQABackend"
+MLA_BACKEND = "vllm_ddtree.backends.mla.DDTreeMLABackend"
+
+
+def _get_attn_backend_cls(cls: Any, selected_backend: Any, attn_selector_config: Any, num_heads: Any = None) -> str:
+    from vllm.platforms.cuda import CudaPlatform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    if selected_backend == AttentionBackendEnum.CUSTOM:
+        register_backend(AttentionBackendEnum.CUSTOM, MLA_BACKEND if attn_selector_config.use_mla else GQA_BACKEND)
+    return CudaPlatform._orig_get_attn_backend_cls(selected_backend, attn_selector_config, num_heads)
+
+
 def apply() -> None:
     """Install the V2 runner seams (idempotent)."""
     from vllm.v1.worker.gpu import model_runner
@@ -75,3 +90,6 @@ def apply() -> None:
     patch_attr(DefaultModelState, "custom_sampler", _custom_sampler)
     patch_attr(model_runner.GPUModelRunner, "initialize_kv_cache", _initialize_kv_cache)
     patch_attr(model_runner.GPUModelRunner, "prepare_attn", _prepare_attn)
+    from vllm.platforms.cuda import CudaPlatform
+
+    patch_attr(CudaPlatform, "get_attn_backend_cls", classmethod(_get_attn_backend_cls))

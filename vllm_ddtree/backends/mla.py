@@ -1,0 +1,146 @@
+"""DDTree's tree-verify attention for MLA targets (DeepSeek-V3, Kimi-K2): vLLM's MLA backend on our CUDA kernel.
+
+vLLM's MLA common code keeps prefill (vLLM's MLA prefill path) and absorbs the decode queries; this backend's decode
+is ``ddtree::mla_tree_verify``, which reads each request's latent cache once for all its tree rows and heads and
+applies the per-token ancestor words. Rows with up to 64 tokens take the decode path (``QueryLenSupport.VARLEN``,
+reorder threshold 64): tree rows get their tree words from the runner's ``prepare_attn`` hook, every other short row
+is causal. Without a DDTree runner in the process the builder writes causal words itself, so the backend is also
+a correct plain MLA decode backend. All tensors the kernel reads are persistent and its KV split plan is computed
+on the device, so the builder reports ``UNIFORM_BATCH`` and the verify step and the drafter stay in FULL graphs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from vllm.model_executor.layers.attention.mla_attention import (
+    MLACommonBackend,
+    MLACommonDecodeMetadata,
+    MLACommonImpl,
+    MLACommonMetadata,
+    MLACommonMetadataBuilder,
+    QueryLenSupport,
+)
+from vllm.v1.attention.backend import AttentionCGSupport, MultipleOf
+
+from vllm_ddtree.backends.tree_mask import MAX_TREE_WIDTH, causal_bits, current_tree_masks
+
+KV_LORA_RANK = 512
+ROPE_DIM = 64
+
+
+@dataclass
+class DDTreeMLADecodeMetadata(MLACommonDecodeMetadata):
+    """Decode rows' block table and lengths (from vLLM) plus their query offsets, grid bound and causal words."""
+
+    query_start_loc: torch.Tensor
+    max_query_len: int
+    causal_token_bits: torch.Tensor
+
+
+@dataclass
+class DDTreeMLAMetadata(MLACommonMetadata[DDTreeMLADecodeMetadata]):
+    pass
+
+
+def causal_token_bits(query_start_loc: list[int], num_tokens: int) -> torch.Tensor:
+    """``[num_tokens]`` int64: token t of a request gets the causal word of its index in the request (<= 63)."""
+    words = causal_bits(MAX_TREE_WIDTH)
+    index = torch.zeros(num_tokens, dtype=torch.int64)
+    for start, end in zip(query_start_loc[:-1], query_start_loc[1:], strict=True):
+        index[start:end] = torch.arange(end - start).clamp(max=MAX_TREE_WIDTH - 1)
+    return words[index]
+
+
+class DDTreeMLAMetadataBuilder(MLACommonMetadataBuilder[DDTreeMLAMetadata]):
+    """vLLM's MLA metadata with every decode row of up to 64 tokens on the tree kernel."""
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
+    query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.VARLEN
+    reorder_batch_threshold: int = MAX_TREE_WIDTH
+
+    def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device, DDTreeMLAMetadata)
+        max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+        self._causal_bits = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
+
+    def _build_decode(self, block_table_tensor: torch.Tensor, seq_lens_device: torch.Tensor, max_seq_len: int,
+                      query_start_loc_cpu: torch.Tensor, query_start_loc_device: torch.Tensor,
+                      num_decode_tokens: int, dcp_tot_seq_lens_device: torch.Tensor | None) -> DDTreeMLADecodeMetadata:
+        qsl = query_start_loc_cpu.tolist()
+        max_query_len = max((b - a for a, b in zip(qsl[:-1], qsl[1:], strict=True)), default=1)
+        if current_tree_masks() is None:  # no DDTree runner writes the words: plain causal decode
+            words = causal_token_bits(qsl, num_decode_tokens).pin_memory()
+            self._causal_bits[:num_decode_tokens].copy_(words, non_blocking=True)
+        return DDTreeMLADecodeMetadata(
+            block_table=block_table_tensor, seq_lens=seq_lens_device, dcp_tot_seq_lens=dcp_tot_seq_lens_device,
+            query_start_loc=query_start_loc_device, max_query_len=max(1, min(max_query_len, MAX_TREE_WIDTH)),
+            causal_token_bits=self._causal_bits,
+        )  # fmt: skip
+
+
+class DDTreeMLAImpl(MLACommonImpl[DDTreeMLAMetadata]):
+    """Absorbed-MLA decode on ``ddtree::mla_tree_verify``; everything else is vLLM's MLA common implementation."""
+
+    can_return_lse_for_decode: bool = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.kv_lora_rank != KV_LORA_RANK or self.qk_rope_head_dim != ROPE_DIM:
+            raise ValueError(
+                f"the ddtree MLA kernel is built for kv_lora_rank {KV_LORA_RANK} and qk_rope_head_dim {ROPE_DIM} "
+                f"(DeepSeek-V3 / Kimi-K2), got {self.kv_lora_rank} and {self.qk_rope_head_dim}; use FLASHMLA or "
+                f"TRITON_MLA for this model."
+            )
+        self.supports_quant_query_input = False  # the kernel takes bf16/fp16 queries, fp8 only in the cache
+
+    def forward_mqa(self, q: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kv_c_and_k_pe_cache: torch.Tensor,
+                    attn_metadata: DDTreeMLAMetadata, layer: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        from vllm_ddtree.ops import mla_tree_verify
+
+        decode = attn_metadata.decode
+        assert decode is not None
+        q_nope, q_pe = q if isinstance(q, tuple) else q.split([KV_LORA_RANK, ROPE_DIM], dim=-1)
+        num_tokens, num_heads = q_nope.shape[:2]
+        masks = current_tree_masks()
+        bits = masks.token_bits if masks is not None and masks.token_bits.numel() else decode.causal_token_bits
+        out = q_nope.new_empty(num_tokens, num_heads, KV_LORA_RANK)
+        lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q_nope.device)
+        mla_tree_verify(
+            q_nope, q_pe, kv_c_and_k_pe_cache, decode.block_table, decode.seq_lens, decode.query_start_loc,
+            bits[:num_tokens], self.scale, getattr(layer, "_k_scale_float", 1.0), out, lse, decode.max_query_len,
+        )  # fmt: skip
+        return out, lse
+
+
+class DDTreeMLABackend(MLACommonBackend):
+    """vLLM attention backend for MLA targets of a ddtree config (registered as ``CUSTOM``)."""
+
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
+    supported_kv_cache_dtypes: ClassVar[list[Any]] = ["auto", "float16", "bfloat16", "fp8", "fp8_e4m3"]
+
+    @staticmethod
+    def get_supported_kernel_block_sizes() -> list[int | MultipleOf]:
+        return [16, 32, 64]
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @staticmethod
+    def get_builder_cls() -> type[DDTreeMLAMetadataBuilder]:
+        return DDTreeMLAMetadataBuilder
+
+    @staticmethod
+    def get_impl_cls() -> type[DDTreeMLAImpl]:
+        return DDTreeMLAImpl
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return [KV_LORA_RANK + ROPE_DIM]
+
+    @classmethod
+    def supports_compute_capability(cls, capability: Any) -> bool:
+        return capability.major >= 8
