@@ -86,6 +86,58 @@ def write_target(path: Path, seed: int = 0, hot_tokens: int = 24) -> Path:
     return path
 
 
+MLA_HEADS = 8
+MLA_KV_LORA_RANK = 512  # the real DeepSeek-V3 / Kimi-K2 latent dims, so the MLA tree-verify kernel runs
+MLA_ROPE_DIM = 64
+MLA_NOPE_DIM = 64
+MLA_V_DIM = 64
+
+
+def write_mla_target(path: Path, seed: int = 0, hot_tokens: int = 24) -> Path:
+    """A 4-layer DeepseekV3ForCausalLM (MLA, no q-LoRA, dense MLPs only) with the same peaky lm_head as
+    ``write_target``; the DFlash drafter of ``write_dflash_drafter`` fits it (same hidden size, vocab, layers)."""
+    path.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) / shape[-1] ** 0.5
+
+    weights = {"model.embed_tokens.weight": torch.randn(VOCAB, HIDDEN, generator=gen)}
+    for i in range(TARGET_LAYERS):
+        p = f"model.layers.{i}."
+        weights.update({
+            f"{p}self_attn.q_proj.weight": rand(MLA_HEADS * (MLA_NOPE_DIM + MLA_ROPE_DIM), HIDDEN),
+            f"{p}self_attn.kv_a_proj_with_mqa.weight": rand(MLA_KV_LORA_RANK + MLA_ROPE_DIM, HIDDEN),
+            f"{p}self_attn.kv_a_layernorm.weight": torch.ones(MLA_KV_LORA_RANK),
+            f"{p}self_attn.kv_b_proj.weight": rand(MLA_HEADS * (MLA_NOPE_DIM + MLA_V_DIM), MLA_KV_LORA_RANK),
+            f"{p}self_attn.o_proj.weight": rand(HIDDEN, MLA_HEADS * MLA_V_DIM),
+            f"{p}mlp.gate_proj.weight": rand(FFN, HIDDEN),
+            f"{p}mlp.up_proj.weight": rand(FFN, HIDDEN),
+            f"{p}mlp.down_proj.weight": rand(HIDDEN, FFN),
+            f"{p}input_layernorm.weight": torch.ones(HIDDEN),
+            f"{p}post_attention_layernorm.weight": torch.ones(HIDDEN),
+        })  # fmt: skip
+    weights["model.norm.weight"] = torch.ones(HIDDEN)
+    weights["lm_head.weight"] = torch.randn(VOCAB, HIDDEN, generator=gen) * 8.0 / HIDDEN**0.5
+    weights["lm_head.weight"][2 : 2 + hot_tokens] *= 3.0
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(path / "model.safetensors"))
+    config = {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": VOCAB,
+        "hidden_size": HIDDEN, "intermediate_size": FFN, "moe_intermediate_size": FFN,
+        "num_hidden_layers": TARGET_LAYERS, "num_attention_heads": MLA_HEADS, "num_key_value_heads": MLA_HEADS,
+        "n_shared_experts": 1, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
+        "first_k_dense_replace": TARGET_LAYERS, "moe_layer_freq": 1, "routed_scaling_factor": 1.0,
+        "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True,
+        "kv_lora_rank": MLA_KV_LORA_RANK, "q_lora_rank": None, "qk_rope_head_dim": MLA_ROPE_DIM,
+        "qk_nope_head_dim": MLA_NOPE_DIM, "v_head_dim": MLA_V_DIM, "hidden_act": "silu",
+        "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "rope_scaling": None,
+        "attention_bias": False, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "bos_token_id": 0, "eos_token_id": 1,
+    }  # fmt: skip
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
 def write_dflash_drafter(
     path: Path, block_size: int = 8, target_layer_ids: tuple[int, ...] = (1, 2), seed: int = 1
 ) -> Path:
