@@ -129,6 +129,25 @@ def test_sampling_and_chain_features_finish(tiny_pair) -> None:
     _free()
 
 
+def test_seeded_sampling_matches_the_target_token_for_token(tiny_pair) -> None:
+    """vLLM V2 keys each sampled token's Gumbel noise by (request seed, position); the tree sampler draws every node
+    at its own position, so a seeded ddtree request should sample exactly what the seeded target samples."""
+    from vllm import LLM
+
+    prompts = _prompts(16)
+    sampling = dict(temperature=0.8, top_p=0.95, seed=7)
+    llm = LLM(model=str(tiny_pair[0]), **ENGINE)
+    want = _generate(llm, prompts, batch=8, **sampling)
+    del llm
+    _free()
+    spec = {"method": "ddtree", "model": str(tiny_pair[1]), "num_speculative_tokens": 15}
+    llm = LLM(model=str(tiny_pair[0]), speculative_config=spec, **ENGINE)
+    got = _generate(llm, prompts, batch=8, **sampling)
+    del llm
+    _free()
+    assert got == want
+
+
 def test_bf16_greedy_matches_target_up_to_near_ties(tiny_pair) -> None:
     """bf16 end to end (FlashAttention context + tree tail in the verify): the target's own bf16 greedy output runs
     FlashAttention over one row at a time, so rare near-ties may flip late in a sequence; require >= 90% of 50

@@ -1,4 +1,4 @@
-"""Train a DFlash block-diffusion drafter for the tiny stdlib Qwen3 target; export it in the layout vLLM 0.26's
+"""Train a DFlash block-diffusion drafter for a tiny stdlib target (Qwen3 or DeepSeek-V3/MLA); export it in the layout vLLM 0.26's
 ``qwen3_dflash`` loader reads unchanged (see shared/design/dflash-training.md, section 2).
 
 Why this shape: the drafter forward below re-implements vLLM's inference semantics exactly (context K/V from
@@ -10,6 +10,8 @@ Data is self-distilled: prompts from the stdlib split, greedy continuations by t
 the target's own greedy next tokens, which is what greedy speculative decoding must match.
 
     python train/dflash.py --target models/stdlib-qwen3-tiny --out models/stdlib-qwen3-tiny-dflash
+    python train/dflash.py --target models/stdlib-mla-tiny --out models/stdlib-mla-tiny-dflash --layers 1 \
+        --layer-ids 0,1
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from target import load_split
 from torch import nn
-from transformers import Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM
 
 MASK_ID = 1  # tokenizer.py: "<|mask|>"
 
@@ -138,7 +140,7 @@ def block_inputs(seqs: torch.Tensor, anchors: torch.Tensor, bs: int) -> tuple[to
 
 
 @torch.no_grad()
-def self_distill(target: Qwen3ForCausalLM, data: torch.Tensor, n: int, prompt: int, gen: int, layer_ids: list[int],
+def self_distill(target: torch.nn.Module, data: torch.Tensor, n: int, prompt: int, gen: int, layer_ids: list[int],
                  seed: int, batch: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """n random prompt windows + greedy continuations of the frozen target (KV cache); then one full pass for the
     context features (HF hidden_states[l+1] = output of layer l = vLLM's aux state for target_layer_id l)."""
@@ -190,11 +192,16 @@ def evaluate(model: DFlashDrafter, emb: torch.Tensor, head: torch.Tensor, seqs: 
     return hit.mean(0).tolist(), 1 + hit.cumprod(1).sum(1).mean().item()
 
 
+# Attention of a drafter for an MLA target (the drafter is always a Qwen3-style GQA model).
+GQA_FOR_MLA = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
+
+
 def draft_config(target_cfg: dict, layers: int, bs: int, layer_ids: list[int]) -> dict:
-    keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-            "hidden_act", "rms_norm_eps", "attention_bias", "max_position_embeddings", "rope_parameters",
-            "vocab_size", "tie_word_embeddings")
+    keys = ("hidden_size", "intermediate_size", "hidden_act", "rms_norm_eps", "attention_bias",
+            "max_position_embeddings", "rope_parameters", "vocab_size", "tie_word_embeddings")
     cfg = {k: target_cfg[k] for k in keys}
+    mla = "kv_lora_rank" in target_cfg
+    cfg.update(GQA_FOR_MLA if mla else {k: target_cfg[k] for k in GQA_FOR_MLA})
     cfg["rope_theta"] = cfg["rope_parameters"]["rope_theta"]
     return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", **cfg, "num_hidden_layers": layers,
             "layer_types": ["full_attention"] * layers, "block_size": bs,
@@ -224,7 +231,7 @@ def main() -> None:
     torch.manual_seed(args.seed)
     layer_ids = sorted(int(x) for x in args.layer_ids.split(","))
     t0 = time.time()
-    target = Qwen3ForCausalLM.from_pretrained(args.target, dtype=torch.float32, attn_implementation="sdpa").eval()
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32, attn_implementation="sdpa").eval()
     tcfg = target.config.to_dict()
     assert max(layer_ids) < tcfg["num_hidden_layers"] - 1, "last layer's HF hidden state is post-norm"
     emb, head = target.model.embed_tokens.weight.detach(), target.lm_head.weight.detach()

@@ -1,10 +1,13 @@
-"""Train the tiny GQA target: a 4-layer Qwen3ForCausalLM on the stdlib's train split, plain next-token CE.
+"""Train a tiny target on the stdlib's train split, plain next-token CE: the GQA one (4-layer Qwen3ForCausalLM) or,
+with ``--arch deepseek_v3``, the MLA one (3-layer DeepseekV3ForCausalLM with the real MLA latent dims, dense MLPs).
 
 Why: the embedded DDTree demo needs a real (trained) target so the drafter has something predictable to learn.
 Deterministic: fixed seeds, fixed window sampling, single-process CPU (torch.set_num_threads(2)).
 
     python train/tokenizer.py --out models/stdlib-qwen3-tiny
     python train/target.py --out models/stdlib-qwen3-tiny --steps 600
+    python train/target.py --arch deepseek_v3 --out models/stdlib-mla-tiny --steps 500 --batch 8
+    (then copy the tokenizer files of models/stdlib-qwen3-tiny next to it: both targets share the tokenizer)
 """
 
 from __future__ import annotations
@@ -17,7 +20,38 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from tokenizer import DATA_DIR, VOCAB_SIZE
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM, DeepseekV3Config, PretrainedConfig, Qwen3Config
+
+
+def make_mla_config() -> DeepseekV3Config:
+    """kv_lora_rank 512 and qk_rope_head_dim 64 as in DeepSeek-V3 / Kimi-K2, so vLLM runs the MLA verify kernel;
+    no q-LoRA and only dense MLPs (first_k_dense_replace = all layers) to stay tiny."""
+    return DeepseekV3Config(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=256,
+        num_hidden_layers=3,
+        first_k_dense_replace=3,
+        n_routed_experts=8,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        hidden_act="silu",
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        attention_bias=False,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+        architectures=["DeepseekV3ForCausalLM"],
+    )
 
 
 def make_config() -> Qwen3Config:
@@ -47,7 +81,7 @@ def load_split(name: str) -> torch.Tensor:
 
 
 @torch.no_grad()
-def heldout_ppl(model: Qwen3ForCausalLM, data: torch.Tensor, seq: int, max_windows: int = 10_000) -> float:
+def heldout_ppl(model: torch.nn.Module, data: torch.Tensor, seq: int, max_windows: int = 10_000) -> float:
     """exp(mean CE) over non-overlapping held-out windows of length seq (every token predicted once per window)."""
     model.eval()
     n = min((data.numel() - 1) // seq, max_windows)
@@ -65,6 +99,7 @@ def heldout_ppl(model: Qwen3ForCausalLM, data: torch.Tensor, seq: int, max_windo
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="models/stdlib-qwen3-tiny")
+    ap.add_argument("--arch", choices=("qwen3", "deepseek_v3"), default="qwen3")
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=256)
@@ -77,9 +112,10 @@ def main() -> None:
     torch.manual_seed(args.seed)
     train, held = load_split("train"), load_split("heldout")
     if args.export_only:
-        export(Qwen3ForCausalLM.from_pretrained(args.out, dtype=torch.float32), held, args.seq, args.out)
+        export(AutoModelForCausalLM.from_pretrained(args.out, dtype=torch.float32), held, args.seq, args.out)
         return
-    model = Qwen3ForCausalLM._from_config(make_config(), attn_implementation="sdpa", dtype=torch.float32)
+    config: PretrainedConfig = make_mla_config() if args.arch == "deepseek_v3" else make_config()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     print(f"params {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M, train tokens {train.numel()}")
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     warm = max(1, args.steps // 25)
@@ -105,7 +141,7 @@ def main() -> None:
         export(model, held, args.seq, args.out)
 
 
-def export(model: Qwen3ForCausalLM, held: torch.Tensor, seq: int, out: str) -> None:
+def export(model: torch.nn.Module, held: torch.Tensor, seq: int, out: str) -> None:
     """Round to bf16 (keeps the checkpoint under the repo's size limits), report held-out ppl *of the rounded
     weights* (what vLLM serves, upcast to fp32), save as bf16."""
     model = model.to(torch.bfloat16).to(torch.float32)
