@@ -150,3 +150,17 @@ def test_mla_backend_causal_words_per_token() -> None:
     assert words[:4].tolist() == [1, 3, 7, 1]
     assert torch.equal(words[4:68], causal_bits(64))  # a 66-token row: words of its first 64, then all bits
     assert words[68:].tolist() == [-1, -1]
+
+
+def test_chain_rows_get_the_argmax_chain_and_nothing_else() -> None:
+    from vllm_ddtree.speculator import build_trees_with_chains
+
+    gen = torch.Generator().manual_seed(0)
+    lp = torch.log_softmax(torch.randn(3, 5, 4, generator=gen), -1).sort(-1, descending=True).values
+    ids = torch.randperm(60, generator=gen).view(3, 5, 4)
+    trees = build_trees_with_chains(lp, ids, 12, torch.tensor([True, False, True]))
+    for b in (0, 2):
+        assert int(trees.num_nodes[b]) == 5
+        assert trees.parents[b, :6].tolist() == [-1, 0, 1, 2, 3, 4]
+        assert torch.equal(trees.node_tokens[b, :5], ids[b, :, 0])
+    assert int(trees.num_nodes[1]) == 12 and trees.parents[1, :13].tolist() != list(range(-1, 12))

@@ -14,6 +14,7 @@ linear again, so DFlash sees exactly the history the scheduler believes in.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -34,6 +35,19 @@ def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     """Top-k log-probs and ids per row, without materialising a float32 log-softmax of the whole vocabulary."""
     values, ids = logits.topk(k, dim=-1)
     return values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True), ids
+
+
+def build_trees_with_chains(topk_logprobs: torch.Tensor, topk_ids: torch.Tensor, budget: int,
+                            chain_rows: torch.Tensor) -> DraftTrees:
+    """The batch's trees, except that rows flagged in ``chain_rows`` get the argmax chain: their candidates past
+    top-1 score -inf, so the chain's nodes are selected first (nodes 1..D, topological), and their node count is
+    capped at the depth so the -inf nodes that fill the budget are never verified. Static shapes, no sync."""
+    depth, topk = topk_logprobs.shape[1:]
+    not_first = torch.arange(topk, device=topk_logprobs.device) > 0
+    masked = topk_logprobs.masked_fill(chain_rows[:, None, None] & not_first[None, None, :], float("-inf"))
+    trees = build_trees(masked, topk_ids, budget)
+    num_nodes = torch.where(chain_rows, trees.num_nodes.clamp(max=depth), trees.num_nodes)
+    return dataclasses.replace(trees, num_nodes=num_nodes)
 
 
 def path_permutation(logits_start: torch.Tensor, paths: AcceptedPaths, num_tokens: int) -> torch.Tensor:
@@ -178,13 +192,11 @@ class DDTreeSpeculator(DFlashSpeculator):
         depth, topk = self.ddtree.max_depth, self.ddtree.topk
         logits = self.model.compute_logits(hidden[self.sample_indices[: num_reqs * depth]])
         logprobs, ids = topk_logprobs(logits, topk)
-        logprobs = logprobs.view(num_reqs, depth, topk)
         rows = self.trees.rows(self.idx_mapping[:num_reqs])
-        # Requests that need chains keep only each depth's top-1 candidate: the tree is the argmax chain.
-        not_first = torch.arange(topk, device=logprobs.device) > 0
-        chain = self.trees.chain[rows][:, None, None] & not_first[None, None, :]
-        logprobs = logprobs.masked_fill(chain, float("-inf"))
-        trees = build_trees(logprobs, ids.view(num_reqs, depth, topk), self.ddtree.budget)
+        trees = build_trees_with_chains(
+            logprobs.view(num_reqs, depth, topk), ids.view(num_reqs, depth, topk), self.ddtree.budget,
+            self.trees.chain[rows],
+        )  # fmt: skip
         self.draft_tokens[:num_reqs] = trees.node_tokens
         self.trees.store(self.idx_mapping[:num_reqs], trees)
 
