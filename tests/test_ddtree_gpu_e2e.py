@@ -1,13 +1,13 @@
-"""DDTree end to end on the GPU (Model Runner V2, bf16): greedy output == the target's own greedy output, and the
-verify and drafter steps replay FULL CUDA graphs. Run on the H200 with ``pytest -m gpu``."""
+"""DDTree end to end on the GPU (Model Runner V2; fp32 equality, plus a bf16 run): greedy output == the target's
+own greedy output, and the verify and drafter steps replay FULL CUDA graphs. Run on the H200 with ``pytest -m gpu``."""
 
 from __future__ import annotations
 
 import os
-import random
 from pathlib import Path
 
 import pytest
+from gpu_engine import MAX_TOKENS, ReplayCounter, free, generate, in_process, prompts, runner
 
 pytestmark = pytest.mark.gpu
 
@@ -18,14 +18,11 @@ ENGINE = dict(max_model_len=1024, dtype=os.environ.get("DDTREE_GPU_DTYPE", "floa
               skip_tokenizer_init=True,
               gpu_memory_utilization=0.05, disable_log_stats=False,
               compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})
-MAX_TOKENS = 32
 
 
 @pytest.fixture(scope="module", autouse=True)
 def in_process_engine() -> None:
-    # The engine core runs in this process, so the test can count graph replays on the runner itself.
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    in_process()
 
 
 @pytest.fixture(scope="module")
@@ -36,57 +33,15 @@ def tiny_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return tiny_models.write_target(root / "target"), tiny_models.write_dflash_drafter(root / "drafter", block_size=8)
 
 
-def _prompts(n: int = 50) -> list[dict]:
-    rng = random.Random(0)
-    return [{"prompt_token_ids": [rng.choice(range(2, 1000)) for _ in range(rng.randint(3, 60))]} for _ in range(n)]
-
-
-def _generate(llm, prompts: list[dict], batch: int, **params) -> list[list[int]]:
-    from vllm import SamplingParams
-
-    sp = SamplingParams(**{"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True, **params})
-    out: list[list[int]] = []
-    for i in range(0, len(prompts), batch):
-        out += [list(o.outputs[0].token_ids) for o in llm.generate(prompts[i : i + batch], sp, use_tqdm=False)]
-    return out
-
-
-def _runner(llm):
-    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-
-
-class _ReplayCounter:
-    """Counts FULL-graph replays of a CUDA-graph manager instance (wraps its bound ``run_fullgraph``)."""
-
-    def __init__(self, manager) -> None:
-        self.count = 0
-        run = manager.run_fullgraph
-
-        def counted(*args, **kwargs):
-            self.count += 1
-            return run(*args, **kwargs)
-
-        manager.run_fullgraph = counted
-
-
 @pytest.fixture(scope="module")
 def reference(tiny_pair) -> list[list[int]]:
     from vllm import LLM
 
     llm = LLM(model=str(tiny_pair[0]), **ENGINE)
-    out = _generate(llm, _prompts(), batch=8)
+    out = generate(llm, prompts(), batch=8)
     del llm
-    _free()
+    free()
     return out
-
-
-def _free() -> None:
-    import gc
-
-    import torch
-
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 @pytest.mark.parametrize("budget", [1, 7, 31])
@@ -97,19 +52,19 @@ def test_greedy_ddtree_matches_target_and_replays_full_graphs(tiny_pair, referen
 
     spec = {"method": "ddtree", "model": str(tiny_pair[1]), "num_speculative_tokens": budget}
     llm = LLM(model=str(tiny_pair[0]), speculative_config=spec, **ENGINE)
-    runner = _runner(llm)
-    assert isinstance(runner.speculator, DDTreeSpeculator)
-    verify = _ReplayCounter(runner.cudagraph_manager)
-    draft = _ReplayCounter(runner.speculator.query_cudagraph_manager)
-    prompts = _prompts()
-    assert _generate(llm, prompts, batch=8) == reference
+    model_runner = runner(llm)
+    assert isinstance(model_runner.speculator, DDTreeSpeculator)
+    verify = ReplayCounter(model_runner.cudagraph_manager)
+    draft = ReplayCounter(model_runner.speculator.query_cudagraph_manager)
+    batch_prompts = prompts()
+    assert generate(llm, batch_prompts, batch=8) == reference
     assert verify.count > 0 and draft.count > 0, (verify.count, draft.count)
-    assert _generate(llm, prompts[:10], batch=1) == reference[:10]
+    assert generate(llm, batch_prompts[:10], batch=1) == reference[:10]
     metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
     drafts, accepted = metrics["vllm:spec_decode_num_draft_tokens"], metrics["vllm:spec_decode_num_accepted_tokens"]
     assert drafts > 0 and accepted > 0
-    del llm, runner
-    _free()
+    del llm, model_runner
+    free()
 
 
 def test_sampling_and_chain_features_finish(tiny_pair) -> None:
@@ -117,16 +72,16 @@ def test_sampling_and_chain_features_finish(tiny_pair) -> None:
 
     spec = {"method": "ddtree", "model": str(tiny_pair[1]), "num_speculative_tokens": 15}
     llm = LLM(model=str(tiny_pair[0]), speculative_config=spec, **ENGINE)
-    prompts = _prompts(16)
-    sampled = _generate(llm, prompts, batch=8, temperature=0.8, top_p=0.9, seed=1)
+    batch_prompts = prompts(16)
+    sampled = generate(llm, batch_prompts, batch=8, temperature=0.8, top_p=0.9, seed=1)
     assert all(len(t) == MAX_TOKENS for t in sampled)
-    assert _generate(llm, prompts, batch=8, temperature=0.8, seed=1) == _generate(
-        llm, prompts, batch=8, temperature=0.8, seed=1
+    assert generate(llm, batch_prompts, batch=8, temperature=0.8, seed=1) == generate(
+        llm, batch_prompts, batch=8, temperature=0.8, seed=1
     )
-    penalised = _generate(llm, prompts, batch=8, repetition_penalty=1.3, logprobs=2)
+    penalised = generate(llm, batch_prompts, batch=8, repetition_penalty=1.3, logprobs=2)
     assert all(len(t) == MAX_TOKENS for t in penalised)
     del llm
-    _free()
+    free()
 
 
 def test_seeded_sampling_matches_the_target_token_for_token(tiny_pair) -> None:
@@ -134,17 +89,17 @@ def test_seeded_sampling_matches_the_target_token_for_token(tiny_pair) -> None:
     at its own position, so a seeded ddtree request should sample exactly what the seeded target samples."""
     from vllm import LLM
 
-    prompts = _prompts(16)
+    batch_prompts = prompts(16)
     sampling = dict(temperature=0.8, top_p=0.95, seed=7)
     llm = LLM(model=str(tiny_pair[0]), **ENGINE)
-    want = _generate(llm, prompts, batch=8, **sampling)
+    want = generate(llm, batch_prompts, batch=8, **sampling)
     del llm
-    _free()
+    free()
     spec = {"method": "ddtree", "model": str(tiny_pair[1]), "num_speculative_tokens": 15}
     llm = LLM(model=str(tiny_pair[0]), speculative_config=spec, **ENGINE)
-    got = _generate(llm, prompts, batch=8, **sampling)
+    got = generate(llm, batch_prompts, batch=8, **sampling)
     del llm
-    _free()
+    free()
     assert got == want
 
 
@@ -155,17 +110,17 @@ def test_bf16_greedy_matches_target_up_to_near_ties(tiny_pair) -> None:
     from vllm import LLM
 
     engine = dict(ENGINE, dtype="bfloat16")
-    prompts = _prompts()
+    batch_prompts = prompts()
     llm = LLM(model=str(tiny_pair[0]), **engine)
-    want = _generate(llm, prompts, batch=8)
+    want = generate(llm, batch_prompts, batch=8)
     del llm
-    _free()
+    free()
     spec = {"method": "ddtree", "model": str(tiny_pair[1]), "num_speculative_tokens": 15}
     llm = LLM(model=str(tiny_pair[0]), speculative_config=spec, **engine)
-    got = _generate(llm, prompts, batch=8)
+    got = generate(llm, batch_prompts, batch=8)
     same = sum(a == b for a, b in zip(got, want, strict=True))
     print(f"bf16: {same}/{len(want)} sequences identical")
     assert same >= 0.9 * len(want)
     assert all(a[:8] == b[:8] for a, b in zip(got, want, strict=True))
     del llm
-    _free()
+    free()
