@@ -90,8 +90,10 @@ def test_flat_to_tree_rows() -> None:
 
     flat = torch.arange(10, 20)
     cu = torch.tensor([0, 3, 4, 10])
-    assert _flat_to_tree_rows(flat, cu, 4, -1).tolist() == [[10, 11, 12, -1], [13, -1, -1, -1], [14, 15, 16, 17]]
-    assert _flat_to_tree_rows(flat, cu, 3, 0, offset=1).tolist() == [[11, 12, 0], [0, 0, 0], [15, 16, 17]]
+    starts, counts = cu[:-1], cu[1:] - cu[:-1]
+    want = [[10, 11, 12, -1], [13, -1, -1, -1], [14, 15, 16, 17]]
+    assert _flat_to_tree_rows(flat, starts, counts, 4, -1).tolist() == want
+    assert _flat_to_tree_rows(flat, starts + 1, counts - 1, 3, 0).tolist() == [[11, 12, 0], [0, 0, 0], [15, 16, 17]]
 
 
 def test_tree_buffers_route_padded_rows_to_trash() -> None:

@@ -124,15 +124,13 @@ class DDTreeRejectionSamplerV1(RejectionSampler):
         return compactors
 
 
-def _flat_to_tree_rows(flat: torch.Tensor, cu_num_logits: torch.Tensor, width: int, fill: int,
-                       offset: int = 0) -> torch.Tensor:
-    """``[B, width]`` view of per-request logit rows: ``out[b, i] = flat[cu[b] + offset + i]`` while that row is
-    the request's, else ``fill``. Static shapes, no host reads."""
-    starts = cu_num_logits[:-1].to(torch.int64)
-    counts = cu_num_logits[1:].to(torch.int64) - starts - offset
+def _flat_to_tree_rows(flat: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, width: int,
+                       fill: int) -> torch.Tensor:
+    """``[B, width]`` view of per-request runs of ``flat``: ``out[b, i] = flat[starts[b] + i]`` for
+    ``i < counts[b]``, else ``fill``. Static shapes, no host reads."""
     col = torch.arange(width, device=flat.device)
     present = col[None, :] < counts[:, None]
-    index = (starts[:, None] + offset + col[None, :]).clamp(0, max(flat.shape[0] - 1, 0))
+    index = (starts[:, None] + col[None, :]).clamp(0, max(flat.shape[0] - 1, 0))
     return torch.where(present, flat[index], fill)
 
 
@@ -186,12 +184,14 @@ class DDTreeRejectionSampler(RejectionSamplerV2):
             input_batch.expanded_local_pos,
         )  # fmt: skip
         cu_num_logits = input_batch.cu_num_logits
-        width = self.budget + 1
-        target_tokens = _flat_to_tree_rows(choices.to(torch.int64), cu_num_logits, width, -1)
-        node_tokens = _flat_to_tree_rows(draft_sampled.to(torch.int64), cu_num_logits, self.budget, 0, offset=1)
+        starts = cu_num_logits[:-1].to(torch.int64)
+        num_logits = cu_num_logits[1:].to(torch.int64) - starts
+        num_drafts = num_logits - 1
+        # Row i of a request is node i: the root's row holds the last accepted token, then the drafts.
+        target_tokens = _flat_to_tree_rows(choices.to(torch.int64), starts, num_logits, self.budget + 1, -1)
+        node_tokens = _flat_to_tree_rows(draft_sampled.to(torch.int64), starts + 1, num_drafts, self.budget, 0)
         trees = self._speculator.trees
         rows = trees.rows(input_batch.idx_mapping)
-        num_drafts = (cu_num_logits[1:] - cu_num_logits[:-1]).to(torch.int64) - 1
         num_nodes = torch.minimum(num_drafts, trees.num_nodes[rows])
         paths = walk_trees(node_tokens, trees.parents[rows], trees.anc_bits[rows], num_nodes, target_tokens,
                            self.max_depth)

@@ -70,12 +70,7 @@ def path_context(hidden: torch.Tensor, positions: torch.Tensor, query_start_loc:
     """Drafter context after a tree verify: hidden rows in path order, linear positions (base + row)."""
     batch = paths.num_accepted.shape[0]
     qsl = query_start_loc[: batch + 1].to(torch.int64)
-    depth = torch.arange(paths.accepted_nodes.shape[1], device=hidden.device)
-    keep = (depth[None, :] <= paths.num_accepted[:, None]) & (paths.accepted_nodes >= 0)
-    rows = qsl[:-1, None] + depth[None, :]
-    src = qsl[:-1, None] + paths.accepted_nodes.clamp(min=0)
-    index = torch.arange(hidden.shape[0], device=hidden.device)
-    index[rows[keep]] = src[keep]
+    index = path_permutation(qsl[:-1], paths, hidden.shape[0])
     lengths = qsl[1:] - qsl[:-1]
     starts = torch.repeat_interleave(qsl[:-1], lengths, output_size=int(qsl[-1]))
     base = torch.repeat_interleave(positions[qsl[:-1]], lengths, output_size=int(qsl[-1]))

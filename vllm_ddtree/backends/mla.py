@@ -47,11 +47,12 @@ class DDTreeMLAMetadata(MLACommonMetadata[DDTreeMLADecodeMetadata]):
 
 def causal_token_bits(query_start_loc: list[int], num_tokens: int) -> torch.Tensor:
     """``[num_tokens]`` int64: token t of a request gets the causal word of its index in the request (<= 63)."""
-    words = causal_bits(MAX_TREE_WIDTH)
+    qsl = torch.tensor(query_start_loc, dtype=torch.int64)
+    covered = int(qsl[-1])
     index = torch.zeros(num_tokens, dtype=torch.int64)
-    for start, end in zip(query_start_loc[:-1], query_start_loc[1:], strict=True):
-        index[start:end] = torch.arange(end - start).clamp(max=MAX_TREE_WIDTH - 1)
-    return words[index]
+    starts = torch.repeat_interleave(qsl[:-1], qsl[1:] - qsl[:-1], output_size=covered)
+    index[:covered] = (torch.arange(covered) - starts).clamp(max=MAX_TREE_WIDTH - 1)
+    return causal_bits(MAX_TREE_WIDTH)[index]
 
 
 class DDTreeMLAMetadataBuilder(MLACommonMetadataBuilder[DDTreeMLAMetadata]):
