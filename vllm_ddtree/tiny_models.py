@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -46,10 +47,16 @@ def _qwen3_keys(num_layers: int, hidden: int) -> dict:
     }
 
 
-def _layer_weights(prefix: str, gen: torch.Generator, scale: float) -> dict[str, torch.Tensor]:
+def _rand(gen: torch.Generator, scale: float = 1.0) -> Callable[..., torch.Tensor]:
+    """Seeded Gaussian weights scaled by ``scale / sqrt(fan_in)``."""
+
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) * scale / shape[-1] ** 0.5
 
+    return rand
+
+
+def _qwen3_attention(prefix: str, rand: Callable[..., torch.Tensor]) -> dict[str, torch.Tensor]:
     return {
         f"{prefix}self_attn.q_proj.weight": rand(HEADS * HEAD_DIM, HIDDEN),
         f"{prefix}self_attn.k_proj.weight": rand(KV_HEADS * HEAD_DIM, HIDDEN),
@@ -57,6 +64,11 @@ def _layer_weights(prefix: str, gen: torch.Generator, scale: float) -> dict[str,
         f"{prefix}self_attn.o_proj.weight": rand(HIDDEN, HEADS * HEAD_DIM),
         f"{prefix}self_attn.q_norm.weight": torch.ones(HEAD_DIM),
         f"{prefix}self_attn.k_norm.weight": torch.ones(HEAD_DIM),
+    }
+
+
+def _mlp_and_norms(prefix: str, rand: Callable[..., torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {
         f"{prefix}mlp.gate_proj.weight": rand(FFN, HIDDEN),
         f"{prefix}mlp.up_proj.weight": rand(FFN, HIDDEN),
         f"{prefix}mlp.down_proj.weight": rand(HIDDEN, FFN),
@@ -65,25 +77,39 @@ def _layer_weights(prefix: str, gen: torch.Generator, scale: float) -> dict[str,
     }
 
 
-def write_target(path: Path, seed: int = 0, hot_tokens: int = 24) -> Path:
-    """A 4-layer Qwen3ForCausalLM with peaky logits (lm_head scale 8 over unit-RMS hidden states).
+def _layer_weights(prefix: str, gen: torch.Generator, scale: float) -> dict[str, torch.Tensor]:
+    rand = _rand(gen, scale)
+    return {**_qwen3_attention(prefix, rand), **_mlp_and_norms(prefix, rand)}
 
-    The output rows of ``hot_tokens`` ids (2..hot_tokens+1) are 3x larger, so the target mostly speaks a small
-    vocabulary; the DFlash drafter shares this lm_head, so even a random drafter then proposes the target's next
-    token often enough for long accepted paths (what end-to-end tests of trees need).
-    """
+
+def _write_peaky_target(path: Path, seed: int, hot_tokens: int, config: dict,
+                        attention: Callable[[str, Callable[..., torch.Tensor]], dict[str, torch.Tensor]]) -> Path:
+    """A TARGET_LAYERS-layer target with peaky logits: lm_head scale 8 over unit-RMS hidden states, and the
+    output rows of ``hot_tokens`` ids (2..hot_tokens+1) 3x larger."""
     path.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
+    rand = _rand(gen)
     weights = {"model.embed_tokens.weight": torch.randn(VOCAB, HIDDEN, generator=gen)}
     for i in range(TARGET_LAYERS):
-        weights.update(_layer_weights(f"model.layers.{i}.", gen, scale=1.0))
+        prefix = f"model.layers.{i}."
+        weights.update({**attention(prefix, rand), **_mlp_and_norms(prefix, rand)})
     weights["model.norm.weight"] = torch.ones(HIDDEN)
     weights["lm_head.weight"] = torch.randn(VOCAB, HIDDEN, generator=gen) * 8.0 / HIDDEN**0.5
     weights["lm_head.weight"][2 : 2 + hot_tokens] *= 3.0
     save_file({k: v.contiguous() for k, v in weights.items()}, str(path / "model.safetensors"))
-    config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **_qwen3_keys(TARGET_LAYERS, HIDDEN)}
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
+
+
+def write_target(path: Path, seed: int = 0, hot_tokens: int = 24) -> Path:
+    """A 4-layer Qwen3ForCausalLM with peaky logits (see ``_write_peaky_target``).
+
+    The target then mostly speaks a small vocabulary; the DFlash drafter shares this lm_head, so even a random
+    drafter proposes the target's next token often enough for long accepted paths (what end-to-end tests of trees
+    need).
+    """
+    config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **_qwen3_keys(TARGET_LAYERS, HIDDEN)}
+    return _write_peaky_target(path, seed, hot_tokens, config, _qwen3_attention)
 
 
 MLA_HEADS = 8
@@ -93,34 +119,19 @@ MLA_NOPE_DIM = 64
 MLA_V_DIM = 64
 
 
+def _mla_attention(prefix: str, rand: Callable[..., torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {
+        f"{prefix}self_attn.q_proj.weight": rand(MLA_HEADS * (MLA_NOPE_DIM + MLA_ROPE_DIM), HIDDEN),
+        f"{prefix}self_attn.kv_a_proj_with_mqa.weight": rand(MLA_KV_LORA_RANK + MLA_ROPE_DIM, HIDDEN),
+        f"{prefix}self_attn.kv_a_layernorm.weight": torch.ones(MLA_KV_LORA_RANK),
+        f"{prefix}self_attn.kv_b_proj.weight": rand(MLA_HEADS * (MLA_NOPE_DIM + MLA_V_DIM), MLA_KV_LORA_RANK),
+        f"{prefix}self_attn.o_proj.weight": rand(HIDDEN, MLA_HEADS * MLA_V_DIM),
+    }
+
+
 def write_mla_target(path: Path, seed: int = 0, hot_tokens: int = 24) -> Path:
     """A 4-layer DeepseekV3ForCausalLM (MLA, no q-LoRA, dense MLPs only) with the same peaky lm_head as
     ``write_target``; the DFlash drafter of ``write_dflash_drafter`` fits it (same hidden size, vocab, layers)."""
-    path.mkdir(parents=True, exist_ok=True)
-    gen = torch.Generator().manual_seed(seed)
-
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) / shape[-1] ** 0.5
-
-    weights = {"model.embed_tokens.weight": torch.randn(VOCAB, HIDDEN, generator=gen)}
-    for i in range(TARGET_LAYERS):
-        p = f"model.layers.{i}."
-        weights.update({
-            f"{p}self_attn.q_proj.weight": rand(MLA_HEADS * (MLA_NOPE_DIM + MLA_ROPE_DIM), HIDDEN),
-            f"{p}self_attn.kv_a_proj_with_mqa.weight": rand(MLA_KV_LORA_RANK + MLA_ROPE_DIM, HIDDEN),
-            f"{p}self_attn.kv_a_layernorm.weight": torch.ones(MLA_KV_LORA_RANK),
-            f"{p}self_attn.kv_b_proj.weight": rand(MLA_HEADS * (MLA_NOPE_DIM + MLA_V_DIM), MLA_KV_LORA_RANK),
-            f"{p}self_attn.o_proj.weight": rand(HIDDEN, MLA_HEADS * MLA_V_DIM),
-            f"{p}mlp.gate_proj.weight": rand(FFN, HIDDEN),
-            f"{p}mlp.up_proj.weight": rand(FFN, HIDDEN),
-            f"{p}mlp.down_proj.weight": rand(HIDDEN, FFN),
-            f"{p}input_layernorm.weight": torch.ones(HIDDEN),
-            f"{p}post_attention_layernorm.weight": torch.ones(HIDDEN),
-        })  # fmt: skip
-    weights["model.norm.weight"] = torch.ones(HIDDEN)
-    weights["lm_head.weight"] = torch.randn(VOCAB, HIDDEN, generator=gen) * 8.0 / HIDDEN**0.5
-    weights["lm_head.weight"][2 : 2 + hot_tokens] *= 3.0
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(path / "model.safetensors"))
     config = {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": VOCAB,
         "hidden_size": HIDDEN, "intermediate_size": FFN, "moe_intermediate_size": FFN,
@@ -134,8 +145,7 @@ def write_mla_target(path: Path, seed: int = 0, hot_tokens: int = 24) -> Path:
         "attention_bias": False, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
         "bos_token_id": 0, "eos_token_id": 1,
     }  # fmt: skip
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    return path
+    return _write_peaky_target(path, seed, hot_tokens, config, _mla_attention)
 
 
 def write_dflash_drafter(
