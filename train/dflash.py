@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
-from target import load_split
+from target import load_split, make_optimizer, optimizer_step
 from torch import nn
 from transformers import AutoModelForCausalLM
 
@@ -241,10 +240,7 @@ def main() -> None:
 
     cfg = draft_config(tcfg, args.layers, args.block, layer_ids)
     model = DFlashDrafter(cfg, len(layer_ids))
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
-    warm = max(1, args.steps // 25)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
+    opt, sched = make_optimizer(model, args.lr, 0.0, args.steps)
     g = torch.Generator().manual_seed(args.seed)
     n_cand = args.gen - args.block + 1  # anchors a in [prompt, T-B]: every label is a target-generated token
     t1 = time.time()
@@ -255,11 +251,7 @@ def main() -> None:
         h = model(tf[rows].float(), F.embedding(ids, emb), pos, mask)
         h = h.view(*labels.shape, -1)[:, :, 1:]
         loss = weighted_loss(h @ head.T, labels, args.gamma)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
+        optimizer_step(model, opt, sched, loss)
         if step % 50 == 0 or step == args.steps - 1:
             print(f"step {step} loss {loss.item():.3f} {time.time() - t1:.0f}s", flush=True)
     print(f"train wall {time.time() - t1:.0f}s (total {time.time() - t0:.0f}s)")

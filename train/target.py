@@ -22,13 +22,27 @@ import torch.nn.functional as F
 from tokenizer import DATA_DIR, VOCAB_SIZE
 from transformers import AutoModelForCausalLM, DeepseekV3Config, PretrainedConfig, Qwen3Config
 
+# What both tiny targets share: tokenizer, width, activation, RoPE, norms, untied embeddings, special ids.
+SHARED_CONFIG = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=256,
+    hidden_act="silu",
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    attention_bias=False,
+    tie_word_embeddings=False,
+    bos_token_id=0,
+    eos_token_id=0,
+    pad_token_id=0,
+)
+
 
 def make_mla_config() -> DeepseekV3Config:
     """kv_lora_rank 512 and qk_rope_head_dim 64 as in DeepSeek-V3 / Kimi-K2, so vLLM runs the MLA verify kernel;
     no q-LoRA and only dense MLPs (first_k_dense_replace = all layers) to stay tiny."""
     return DeepseekV3Config(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=256,
+        **SHARED_CONFIG,
         intermediate_size=512,
         moe_intermediate_size=256,
         num_hidden_layers=3,
@@ -41,39 +55,41 @@ def make_mla_config() -> DeepseekV3Config:
         qk_rope_head_dim=64,
         qk_nope_head_dim=32,
         v_head_dim=32,
-        hidden_act="silu",
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        attention_bias=False,
-        tie_word_embeddings=False,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
         architectures=["DeepseekV3ForCausalLM"],
     )
 
 
 def make_config() -> Qwen3Config:
     return Qwen3Config(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=256,
+        **SHARED_CONFIG,
         intermediate_size=768,
         num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=64,
-        hidden_act="silu",
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        attention_bias=False,
-        tie_word_embeddings=False,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
         architectures=["Qwen3ForCausalLM"],
     )
+
+
+def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float,
+                   steps: int) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW (betas 0.9, 0.95) with a linear warmup over 4 % of the steps, then cosine to 0 (targets and drafters)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
+    warm = max(1, steps // 25)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
+    )
+    return opt, sched
+
+
+def optimizer_step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
+                   loss: torch.Tensor) -> None:
+    """Backward, clip the gradient norm at 1, step the optimizer and the schedule, clear the gradients."""
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    sched.step()
+    opt.zero_grad(set_to_none=True)
 
 
 def load_split(name: str) -> torch.Tensor:
@@ -117,11 +133,7 @@ def main() -> None:
     config: PretrainedConfig = make_mla_config() if args.arch == "deepseek_v3" else make_config()
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     print(f"params {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M, train tokens {train.numel()}")
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    warm = max(1, args.steps // 25)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps))
-    )
+    opt, sched = make_optimizer(model, args.lr, 0.1, args.steps)
     gen = torch.Generator().manual_seed(args.seed)
     t0 = time.time()
     for step in range(args.steps):
@@ -129,11 +141,7 @@ def main() -> None:
         x = torch.stack([train[s : s + args.seq + 1] for s in starts.tolist()])
         logits = model(input_ids=x[:, :-1]).logits
         loss = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
+        optimizer_step(model, opt, sched, loss)
         if step % 25 == 0 or step == args.steps - 1:
             print(f"step {step} loss {loss.item():.3f} {time.time() - t0:.0f}s", flush=True)
     print(f"train wall {time.time() - t0:.0f}s")
