@@ -1,12 +1,19 @@
 """Decode step time on Model Runner V2: no speculation vs vLLM's DFlash chain vs DDTree, side by side in one run.
 
-The target is a Qwen3-architecture model with dummy weights (Qwen3-4B geometry by default) and the drafter a dummy
-DFlash model, so the drafter's proposals are essentially never accepted: every step emits one token per request and
-the time per output token *is* the step time (verify + sample + draft). Each configuration runs in its own process;
-for every (context, batch) it prefills once (prefix-cached), then times ``generate`` with 1 and with 1+N output
-tokens, repeated, and reports the median of (t[1+N] - t[1]) / N. Decode steps replay FULL CUDA graphs.
+Targets have dummy weights and the drafter is a dummy DFlash model, so proposals are (almost) never accepted and
+the time per decode step is what is compared: verify + sample + draft, at the same verify width W = 1 + budget.
+Each configuration runs in its own process. For every (context, batch) it prefills once (prefix-cached, warming
+every graph), then runs ``generate`` with 1 + N output tokens ``--repeats`` times while a wrapper on the model
+runner's ``execute_model`` records when each step starts; the step time is the median interval between steady
+decode steps (pipelined like serving: async scheduling on V2). Decode steps replay FULL CUDA graphs.
 
-    python bench/step_time.py --budgets 8 16 --contexts 4096 32768 --batches 1 16 --out bench/results/x.json
+Targets:
+  qwen3-4b  Qwen3-4B geometry (36 layers, GQA 32/8 heads); configs none, dflash, ddtree (all V2).
+  kimi-mla  DeepSeek-V3 architecture with Kimi-K2 attention (64 heads, kv_lora_rank 512, q_lora_rank 1536),
+            4 dense layers, hidden 2048; configs none and dflash on V2 + FLASHMLA, dflash-v1 on V1 + TRITON_MLA
+            (the only MLA path without FlashMLA), ddtree on V2 + DDTree's MLA backend.
+
+    python bench/step_time.py --target qwen3-4b --budgets 8 16 --contexts 4096 32768 --batches 1 16 --out x.json
 """
 
 from __future__ import annotations
@@ -19,87 +26,112 @@ import subprocess
 import sys
 import tempfile
 import time
+from itertools import pairwise
 from pathlib import Path
 
-QWEN3_4B = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-                num_key_value_heads=8, head_dim=128, vocab_size=151936)
 DRAFT_LAYERS = 2
 DRAFT_BLOCK = 16
+COMMON = dict(max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0, hidden_act="silu",
+              attention_bias=False, tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=0,
+              eos_token_id=1)  # fmt: skip
+QWEN3_4B = dict(model_type="qwen3", hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936)  # fmt: skip
+KIMI_MLA = dict(model_type="deepseek_v3", hidden_size=2048, intermediate_size=8192, moe_intermediate_size=2048,
+                num_hidden_layers=4, num_attention_heads=64, num_key_value_heads=64, vocab_size=163840,
+                q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1,
+                first_k_dense_replace=4, moe_layer_freq=1, routed_scaling_factor=1.0, topk_method="noaux_tc",
+                scoring_func="sigmoid", norm_topk_prob=True, rope_scaling=None)  # fmt: skip
+# Per target: architecture, config, and each configuration's (spec method, target attention backend, V2 runner?).
+TARGETS = {
+    "qwen3-4b": ("Qwen3ForCausalLM", QWEN3_4B, {
+        "none": (None, None, True), "dflash": ("dflash", None, True), "ddtree": ("ddtree", None, True)}),
+    "kimi-mla": ("DeepseekV3ForCausalLM", KIMI_MLA, {
+        "none": (None, "FLASHMLA", True), "dflash": ("dflash", "FLASHMLA", True),
+        "dflash-v1": ("dflash", "TRITON_MLA", False), "ddtree": ("ddtree", None, True)}),
+}  # fmt: skip
 
 
-def _qwen3(layers: int, **extra: object) -> dict:
-    return {"model_type": "qwen3", **QWEN3_4B, "num_hidden_layers": layers, "max_position_embeddings": 40960,
-            "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "hidden_act": "silu", "attention_bias": False,
-            "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 0, "eos_token_id": 1, **extra}
-
-
-def write_models(root: Path) -> tuple[Path, Path]:
-    """Config-only target and drafter (weights are vLLM's dummy init)."""
-    target, drafter = root / "target", root / "drafter"
+def write_models(root: Path, target_name: str) -> tuple[Path, Path]:
+    """Config-only target and a 2-layer Qwen3-style DFlash drafter for it (weights are vLLM's dummy init)."""
+    arch, geometry, _ = TARGETS[target_name]
+    target, drafter = root / target_name, root / f"{target_name}-dflash"
     target.mkdir(parents=True, exist_ok=True)
     drafter.mkdir(parents=True, exist_ok=True)
-    (target / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"], **_qwen3(36)}))
-    layers = QWEN3_4B["num_hidden_layers"]
+    (target / "config.json").write_text(json.dumps({"architectures": [arch], **COMMON, **geometry}))
+    hidden, layers = geometry["hidden_size"], geometry["num_hidden_layers"]
     (drafter / "config.json").write_text(json.dumps({
-        "architectures": ["DFlashDraftModel"], **_qwen3(DRAFT_LAYERS), "block_size": DRAFT_BLOCK,
-        "num_target_layers": layers, "target_hidden_size": QWEN3_4B["hidden_size"],
-        "dflash_config": {"mask_token_id": QWEN3_4B["vocab_size"] - 1,
-                          "target_layer_ids": [1, layers // 2, layers - 3]},
+        "architectures": ["DFlashDraftModel"], **COMMON, **QWEN3_4B, "hidden_size": hidden,
+        "vocab_size": geometry["vocab_size"],
+        "num_hidden_layers": DRAFT_LAYERS, "block_size": DRAFT_BLOCK, "num_target_layers": layers,
+        "target_hidden_size": hidden,
+        "dflash_config": {"mask_token_id": geometry["vocab_size"] - 1,
+                          "target_layer_ids": sorted({1, layers // 2, layers - 1 - (layers > 4) * 2})},
     }))  # fmt: skip
     return target, drafter
 
 
-def _timed(llm: object, prompts: list[dict], tokens: int) -> float:
-    from vllm import SamplingParams
+class StepClock:
+    """Records when the model runner starts each step (wraps the instance's ``execute_model``)."""
 
-    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    start = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
-    return time.perf_counter() - start
+    def __init__(self, runner: object) -> None:
+        self.starts: list[float] = []
+        run = runner.execute_model
+
+        def timed(*args: object, **kwargs: object) -> object:
+            self.starts.append(time.perf_counter())
+            return run(*args, **kwargs)
+
+        runner.execute_model = timed
 
 
 def run_one(args: argparse.Namespace) -> None:
     """Child process: one engine, every (context, batch); prints one JSON line per measurement."""
+    spec_method, backend, v2 = TARGETS[args.target][2][args.method]
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import LLM
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if v2 else "0"
+    from vllm import LLM, SamplingParams
 
-    target, drafter = write_models(Path(args.workdir))
-    width = 1 + args.budget if args.method != "none" else 1
+    target, drafter = write_models(Path(args.workdir), args.target)
+    width = 1 + args.budget if spec_method else 1
     spec = None
-    if args.method != "none":
-        spec = {"method": args.method, "model": str(drafter), "num_speculative_tokens": args.budget}
-    max_batch = max(args.batches)
+    if spec_method:
+        spec = {"method": spec_method, "model": str(drafter), "num_speculative_tokens": args.budget}
     llm = LLM(
         model=str(target), load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, seed=0,
-        max_model_len=max(args.contexts) + 512, max_num_seqs=max_batch, gpu_memory_utilization=0.85,
-        speculative_config=spec, enable_prefix_caching=True,
+        max_model_len=max(args.contexts) + 512, max_num_seqs=max(args.batches), gpu_memory_utilization=0.85,
+        speculative_config=spec, enable_prefix_caching=True, attention_backend=backend,
         compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
                             "cudagraph_capture_sizes": sorted({b * width for b in args.batches})},
     )  # fmt: skip
+    clock = StepClock(llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner)
     for context in args.contexts:
         for batch in args.batches:
             prompts = [{"prompt_token_ids": [(7 * i + 13 * r) % 150000 + 2 for i in range(context)]}
                        for r in range(batch)]
-
-            _timed(llm, prompts, 1 + args.steps)  # prefill into the prefix cache, warm every graph
+            params = SamplingParams(temperature=0.0, max_tokens=1 + args.steps, ignore_eos=True)
+            llm.generate(prompts, params, use_tqdm=False)  # prefill into the prefix cache, warm every graph
             samples = []
             for _ in range(args.repeats):
-                short, long = _timed(llm, prompts, 1), _timed(llm, prompts, 1 + args.steps)
-                samples.append((long - short) / args.steps)
+                clock.starts.clear()
+                llm.generate(prompts, params, use_tqdm=False)
+                steps = [b - a for a, b in pairwise(clock.starts)][3:]  # skip prefill and ramp-up
+                samples.append(statistics.median(steps))
             row = {"method": args.method, "budget": args.budget if spec else 0, "width": width, "context": context,
-                   "batch": batch, "step_ms": 1e3 * statistics.median(samples),
+                   "batch": batch, "step_ms": round(1e3 * statistics.median(samples), 4),
                    "samples_ms": [round(1e3 * s, 4) for s in samples]}
             print("RESULT " + json.dumps(row), flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", choices=sorted(TARGETS), default="qwen3-4b")
+    parser.add_argument("--configs", nargs="+", help="which configurations (default: all of the target's)")
     parser.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32, 63])
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
-    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--no-baseline", action="store_true", help="skip the no-speculation engine")
     parser.add_argument("--out", type=Path, default=Path("bench/results/step_time_h200.json"))
     parser.add_argument("--one", nargs=2, metavar=("METHOD", "BUDGET"), help=argparse.SUPPRESS)
     parser.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
@@ -108,40 +140,50 @@ def main() -> None:
         args.method, args.budget = args.one[0], int(args.one[1])
         run_one(args)
         return
-    configs = ([] if args.no_baseline else [("none", 0)]) + [(m, b) for b in args.budgets for m in ("dflash", "ddtree")]
+    names = args.configs or list(TARGETS[args.target][2])
+    unknown = sorted(set(names) - set(TARGETS[args.target][2]))
+    if unknown:
+        parser.error(f"unknown configs {unknown} for {args.target}; choose from {sorted(TARGETS[args.target][2])}")
+    speculative = [n for n in names if TARGETS[args.target][2][n][0]]
+    configs = [(n, 0) for n in names if n not in speculative] + [(n, b) for b in args.budgets for n in speculative]
     rows: list[dict] = []
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as workdir:
         for method, budget in configs:
-            cmd = [sys.executable, __file__, "--one", method, str(budget), "--workdir", workdir, "--steps",
-                   str(args.steps), "--repeats", str(args.repeats), "--contexts", *map(str, args.contexts),
-                   "--batches", *map(str, args.batches)]  # fmt: skip
+            cmd = [sys.executable, __file__, "--target", args.target, "--one", method, str(budget), "--workdir",
+                   workdir, "--steps", str(args.steps), "--repeats", str(args.repeats), "--contexts",
+                   *map(str, args.contexts), "--batches", *map(str, args.batches)]  # fmt: skip
             # Stream the child's results: a run cut short still leaves every finished row on disk and on screen.
             with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
                 for line in proc.stdout:
                     if line.startswith("RESULT "):
                         rows.append(json.loads(line[7:]))
                         print(line.strip(), flush=True)
-                        _write(args.out, rows)
+                        _write(args, rows)
                 err = proc.stderr.read()
             if proc.returncode:
                 print(f"{method} budget {budget} failed (rc {proc.returncode}):\n{err[-3000:]}", flush=True)
-    _write(args.out, rows)
-    print(f"{'method':8} {'budget':>6} {'ctx':>6} {'batch':>5} {'step ms':>8} {'vs chain':>8}")
+    _write(args, rows)
+    print(f"{'config':10} {'budget':>6} {'ctx':>6} {'batch':>5} {'step ms':>8} {'vs chain':>8}")
     for r in rows:
         ratio = f"{r['vs_chain']:.3f}" if r.get("vs_chain") else ""
-        print(f"{r['method']:8} {r['budget']:>6} {r['context']:>6} {r['batch']:>5} {r['step_ms']:>8.3f} {ratio:>8}")
+        print(f"{r['method']:10} {r['budget']:>6} {r['context']:>6} {r['batch']:>5} {r['step_ms']:>8.3f} {ratio:>8}")
 
 
-def _write(path: Path, rows: list[dict]) -> None:
-    """The JSON report, with each ddtree row's ratio to the chain step of the same width, context and batch."""
+def _write(args: argparse.Namespace, rows: list[dict]) -> None:
+    """The JSON report; every speculative row gets its ratio to the V2 chain step of the same width, context, batch."""
     chain = {(r["budget"], r["context"], r["batch"]): r["step_ms"] for r in rows if r["method"] == "dflash"}
     for r in rows:
-        ref = chain.get((r["budget"], r["context"], r["batch"])) if r["method"] == "ddtree" else None
-        r["vs_chain"] = round(r["step_ms"] / ref, 3) if ref else None
-    path.write_text(json.dumps({"machine": "H200", "target": "Qwen3-4B geometry, dummy weights, bf16",
-                                "drafter": f"DFlash {DRAFT_LAYERS} layers, block {DRAFT_BLOCK}, dummy",
-                                "graphs": "FULL_DECODE_ONLY, no torch.compile", "rows": rows}, indent=1))
+        ref = chain.get((r["budget"], r["context"], r["batch"])) if r["budget"] else None
+        r["vs_chain"] = round(r["step_ms"] / ref, 3) if ref and r["method"] != "dflash" else None
+    arch, geometry, configs = TARGETS[args.target]
+    args.out.write_text(json.dumps({
+        "machine": "H200", "target": {"name": args.target, "architecture": arch, **geometry},
+        "configs": {name: {"method": m, "target_backend": b or "auto", "runner": "V2" if v2 else "V1"}
+                    for name, (m, b, v2) in configs.items()},
+        "drafter": f"DFlash {DRAFT_LAYERS} layers, block {DRAFT_BLOCK}, dummy weights", "dtype": "bfloat16",
+        "graphs": "FULL_DECODE_ONLY, no torch.compile", "timing": "median interval between steady decode steps",
+        "rows": rows}, indent=1))  # fmt: skip
 
 
 if __name__ == "__main__":

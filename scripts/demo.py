@@ -1,9 +1,10 @@
 """The README's first command: serve DDTree with vLLM's OpenAI server, send one request, report, stop cleanly.
 
-It serves the embedded pair in ``models/`` (a tiny Qwen3 trained on the Python standard library and its DFlash
-drafter; see ``models/README.md``) on the CPU, completes a held-out snippet, and prints the completion, the mean
-acceptance length (tokens per verify step) and tokens/s. Without ``models/`` it falls back to the random-weight
-pair of ``vllm_ddtree.tiny_models`` (gibberish, acceptance ~1).
+It serves an embedded pair from ``models/`` (see ``models/README.md``): on the CPU the tiny Qwen3 trained on the
+Python standard library and its DFlash drafter; on a GPU the tiny DeepSeek-V3 (MLA) one, verified by DDTree's MLA
+kernel under FULL CUDA graphs. It completes a held-out snippet and prints the completion, the mean acceptance length
+(tokens per verify step) and tokens/s. Without ``models/`` it falls back to the random-weight GQA pair of
+``vllm_ddtree.tiny_models`` (gibberish, acceptance ~1).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ RANDOM_PAIR = Path.home() / ".cache/vllm-ddtree/demo-models-v2"
 PROMPT = 'def dumps(obj, *, skipkeys=False, ensure_ascii=True, indent=None):\n    """'
 
 
-def model_pair() -> tuple[Path, Path]:
-    target, drafter = EMBEDDED / "stdlib-qwen3-tiny", EMBEDDED / "stdlib-qwen3-tiny-dflash"
+def model_pair(gpu: bool) -> tuple[Path, Path]:
+    name = "stdlib-mla-tiny" if gpu else "stdlib-qwen3-tiny"
+    target, drafter = EMBEDDED / name, EMBEDDED / f"{name}-dflash"
     if (target / "model.safetensors").exists() and (drafter / "model.safetensors").exists():
         return target, drafter
     if not (RANDOM_PAIR / "target" / "tokenizer.json").exists():
@@ -32,11 +34,17 @@ def model_pair() -> tuple[Path, Path]:
 
 
 def main() -> None:
-    target, drafter = model_pair()
+    import torch
+
+    gpu = torch.cuda.is_available()
+    target, drafter = model_pair(gpu)
     spec = {"method": "ddtree", "model": str(drafter), "num_speculative_tokens": 15,
             "draft_load_config": {"load_format": "safetensors"}}
     args = ["--model", str(target), "--served-model-name", "ddtree-demo", "--max-model-len", "512",
             "--max-num-seqs", "8", "--max-num-batched-tokens", "512", "--speculative-config", json.dumps(spec)]
+    if gpu:  # no torch.compile, so the server is up in seconds; decode steps still replay FULL CUDA graphs
+        args += ["--dtype", "bfloat16", "--gpu-memory-utilization", "0.2",
+                 "--compilation-config", json.dumps({"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})]
     print("serving:", " ".join(args), flush=True)
     with openai_server(args) as url:
         client = OpenAI(base_url=f"{url}/v1", api_key="none")
@@ -48,7 +56,8 @@ def main() -> None:
     print("\n--- completion ---")
     print(out.choices[0].text)
     print("------------------")
-    print(f"completion tokens: {tokens}, {tokens / elapsed:.1f} tok/s (one request, CPU)")
+    where = torch.cuda.get_device_name() if gpu else "CPU"
+    print(f"completion tokens: {tokens}, {tokens / elapsed:.1f} tok/s (one request, {where})")
     if accept is not None:
         print(f"mean acceptance length: {accept:.2f} tokens per verify step")
     print("server stopped")

@@ -189,18 +189,15 @@ def test_cuda_picks_the_tree_attention_backend_for_the_target(monkeypatch: pytes
     from vllm_ddtree.patches import config as config_patches
 
     monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
-    gqa = SimpleNamespace(use_mla=False)
     args = SimpleNamespace(attention_backend=None, attention_config=SimpleNamespace(backend=None))
-    config_patches._select_tree_attention(args, gqa)
+    config_patches._select_tree_attention(args)
     assert args.attention_backend == AttentionBackendEnum.CUSTOM
-    config_patches._select_tree_attention(args, gqa)  # an explicit CUSTOM is kept
+    config_patches._select_tree_attention(args)  # an explicit CUSTOM is kept
     assert args.attention_backend == AttentionBackendEnum.CUSTOM
     flash = SimpleNamespace(backend=AttentionBackendEnum.FLASH_ATTN)
     args = SimpleNamespace(attention_backend=None, attention_config=flash)
     with pytest.raises(DDTreeConfigError, match="asks for FLASH_ATTN; drop --attention-backend"):
-        config_patches._select_tree_attention(args, gqa)
-    with pytest.raises(DDTreeConfigError, match="MLA targets"):
-        config_patches._select_tree_attention(args, SimpleNamespace(use_mla=True))
+        config_patches._select_tree_attention(args)
 
 
 def test_cpu_keeps_v1_and_turns_async_scheduling_off(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -83,18 +83,14 @@ def _disable_async_scheduling_on_v1(engine_args: Any) -> None:
     engine_args.async_scheduling = False
 
 
-def _select_tree_attention(engine_args: Any, target_model_config: Any) -> None:
-    """On GPUs the target verifies trees through DDTree's attention backend (registered as vLLM's CUSTOM)."""
+def _select_tree_attention(engine_args: Any) -> None:
+    """On GPUs the target verifies trees through DDTree's attention backend, registered as vLLM's CUSTOM (the MLA
+    or the GQA one, by the layer: ``patches.v2`` routes the slot)."""
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     if not current_platform.is_cuda():
         return
-    if getattr(target_model_config, "use_mla", False):
-        raise DDTreeConfigError(
-            "ddtree on GPUs serves GQA/MHA targets in this build; MLA targets (DeepSeek-V3, Kimi-K2) need the DDTree "
-            "MLA backend, which is not wired in yet: use method 'dflash' for this model."
-        )
     chosen = engine_args.attention_backend or engine_args.attention_config.backend
     if chosen is None:
         engine_args.attention_backend = AttentionBackendEnum.CUSTOM
@@ -120,7 +116,7 @@ def create_speculative_config(self: Any, target_model_config: Any, target_parall
     check_parallel_config(target_parallel_config)
     check_target_and_features(target_model_config, self.kv_transfer_config)
     _select_model_runner_v2()
-    _select_tree_attention(self, target_model_config)
+    _select_tree_attention(self)
     _disable_async_scheduling_on_v1(self)
 
     # Call vLLM with the DFlash dict, then restore the user's values: EngineArgs may build configs more than once.

@@ -1,0 +1,162 @@
+"""Acceptance and speed of the embedded trained pairs: no speculation vs vLLM's DFlash chain vs DDTree.
+
+For each pair (``gqa``: stdlib-qwen3-tiny + its drafter; ``mla``: stdlib-mla-tiny + its drafter) and batch size,
+every configuration greedily continues the same held-out prompts (``models/heldout_prompts.json``: windows of the
+held-out stdlib stream, never trained on). Reported per configuration: mean acceptance length (1 + accepted /
+drafts, vLLM's own counters), output tokens per second, and how many sequences equal the no-speculation output.
+
+On a GPU the engines run Model Runner V2 in bf16 with FULL decode CUDA graphs (no torch.compile); on vLLM-CPU
+(V1, GQA pair only) in float32, where greedy equality is exact. One process per engine.
+
+    python bench/acceptance.py --pairs gqa mla --batches 1 16 --out bench/results/acceptance_h200.json
+    VLLM_CPU_KVCACHE_SPACE=1 python bench/acceptance.py --pairs gqa --budgets 15 --batches 8 --prompts 20 \
+        --max-tokens 64 --out models/acceptance.json
+    python bench/acceptance.py --write-prompts   # from train/tokenizer.py's held-out split
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PAIRS = {"gqa": ("stdlib-qwen3-tiny", "stdlib-qwen3-tiny-dflash"), "mla": ("stdlib-mla-tiny", "stdlib-mla-tiny-dflash")}
+PROMPTS = ROOT / "models" / "heldout_prompts.json"
+HELDOUT_STREAM = Path.home() / ".cache" / "vllm-ddtree" / "stdlib-data" / "heldout.u16"
+CHAIN_TOKENS = 7  # the drafters' block size - 1: vLLM's DFlash chain drafts one block
+
+
+def write_prompts(n: int = 64, length: int = 64) -> None:
+    """n evenly spaced windows of the held-out token stream (json/, email/, six modules) as token-id prompts."""
+    import numpy as np
+
+    data = np.fromfile(HELDOUT_STREAM, dtype=np.uint16).astype(int)
+    starts = np.linspace(0, data.size - length - 1, n).astype(int)
+    PROMPTS.write_text(json.dumps([data[s : s + length].tolist() for s in starts]) + "\n")
+    print(f"{n} prompts of {length} tokens -> {PROMPTS}")
+
+
+def engine_kwargs(gpu: bool, max_batch: int) -> dict:
+    common = dict(max_model_len=512, max_num_seqs=max_batch, seed=0, disable_log_stats=False)
+    if not gpu:
+        return dict(common, dtype="float32", max_num_batched_tokens=512)
+    return dict(common, dtype="bfloat16", gpu_memory_utilization=0.1,
+                compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})  # fmt: skip
+
+
+def _counters(llm: object) -> dict[str, float]:
+    return {m.name: m.value for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode") and hasattr(m, "value")}
+
+
+def run_one(args: argparse.Namespace) -> None:
+    """Child process: one engine; every batch size; prints one RESULT line per batch size."""
+    import torch
+    from vllm import LLM, SamplingParams
+
+    gpu = torch.cuda.is_available()
+    target, drafter = (str(ROOT / "models" / name) for name in PAIRS[args.pair])
+    spec = None
+    if args.method != "none":
+        spec = {"method": args.method, "model": drafter, "num_speculative_tokens": args.budget,
+                "draft_load_config": {"load_format": "safetensors"}}  # fmt: skip
+    llm = LLM(model=target, speculative_config=spec, **engine_kwargs(gpu, max(args.batches)))
+    prompts = [{"prompt_token_ids": p} for p in json.loads(PROMPTS.read_text())[: args.prompts]]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    llm.generate(prompts[: max(args.batches)], params, use_tqdm=False)  # warm every graph
+    for batch in args.batches:
+        before = _counters(llm)
+        tokens: list[list[int]] = []
+        start = time.perf_counter()
+        for i in range(0, len(prompts), batch):
+            outputs = llm.generate(prompts[i : i + batch], params, use_tqdm=False)
+            tokens += [list(o.outputs[0].token_ids) for o in outputs]
+        wall = time.perf_counter() - start
+        after = _counters(llm)
+        drafts = after.get("vllm:spec_decode_num_drafts", 0) - before.get("vllm:spec_decode_num_drafts", 0)
+        accepted = after.get("vllm:spec_decode_num_accepted_tokens", 0) - before.get(
+            "vllm:spec_decode_num_accepted_tokens", 0
+        )
+        row = {"pair": args.pair, "method": args.method, "budget": args.budget, "batch": batch,
+               "device": torch.cuda.get_device_name() if gpu else "cpu", "dtype": "bfloat16" if gpu else "float32",
+               "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else 1.0,
+               "tok_per_s": round(len(tokens) * args.max_tokens / wall, 1), "wall_s": round(wall, 3),
+               "tokens": tokens}  # fmt: skip
+        print("RESULT " + json.dumps(row), flush=True)
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Rows without token lists, with equality to and speed-up over no speculation (same pair and batch)."""
+    ref = {(r["pair"], r["batch"]): r for r in rows if r["method"] == "none"}
+    chain = {(r["pair"], r["batch"]): r for r in rows if r["method"] == "dflash"}
+    out = []
+    for r in rows:
+        base, ch = ref.get((r["pair"], r["batch"])), chain.get((r["pair"], r["batch"]))
+        s = {k: v for k, v in r.items() if k != "tokens"}
+        if base:
+            same = sum(a == b for a, b in zip(r["tokens"], base["tokens"], strict=True))
+            s["equal_to_target"] = f"{same}/{len(base['tokens'])}"
+            s["vs_no_spec"] = round(r["tok_per_s"] / base["tok_per_s"], 2)
+        if ch:
+            s["vs_chain"] = round(r["tok_per_s"] / ch["tok_per_s"], 2)
+        out.append(s)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pairs", nargs="+", choices=sorted(PAIRS), default=["gqa", "mla"])
+    parser.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32, 63], help="ddtree node budgets")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "acceptance.json")
+    parser.add_argument("--write-prompts", action="store_true", help="regenerate models/heldout_prompts.json")
+    parser.add_argument("--one", nargs=3, metavar=("PAIR", "METHOD", "BUDGET"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.write_prompts:
+        write_prompts()
+        return
+    if args.one:
+        args.pair, args.method, args.budget = args.one[0], args.one[1], int(args.one[2])
+        run_one(args)
+        return
+    configs = [("none", 0), ("dflash", CHAIN_TOKENS)] + [("ddtree", b) for b in args.budgets]
+    rows: list[dict] = []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    for pair in args.pairs:
+        for method, budget in configs:
+            cmd = [sys.executable, __file__, "--one", pair, method, str(budget), "--prompts", str(args.prompts),
+                   "--max-tokens", str(args.max_tokens), "--batches", *map(str, args.batches)]  # fmt: skip
+            env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1")
+            with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as proc:
+                for line in proc.stdout:
+                    if line.startswith("RESULT "):
+                        rows.append(json.loads(line[7:]))
+                        _write(args, rows)
+                err = proc.stderr.read()
+            if proc.returncode:
+                print(f"{pair} {method} {budget} failed (rc {proc.returncode}):\n{err[-3000:]}", flush=True)
+    table = _write(args, rows)
+    print(f"{'pair':4} {'config':7} {'budget':>6} {'batch':>5} {'accept len':>10} {'tok/s':>9} {'vs chain':>8} "
+          f"{'vs none':>7} {'== target':>9}")  # fmt: skip
+    for r in table:
+        print(f"{r['pair']:4} {r['method']:7} {r['budget']:>6} {r['batch']:>5} {r['mean_acceptance_length']:>10.3f} "
+              f"{r['tok_per_s']:>9.1f} {r.get('vs_chain', ''):>8} {r.get('vs_no_spec', ''):>7} "
+              f"{r.get('equal_to_target', ''):>9}")  # fmt: skip
+
+
+def _write(args: argparse.Namespace, rows: list[dict]) -> list[dict]:
+    table = summarize(rows)
+    args.out.write_text(json.dumps({"prompts": args.prompts, "prompt_len": 64, "max_tokens": args.max_tokens,
+                                    "graphs": "FULL_DECODE_ONLY on GPUs, no torch.compile", "rows": table},
+                                   indent=1) + "\n")  # fmt: skip
+    return table
+
+
+if __name__ == "__main__":
+    main()
