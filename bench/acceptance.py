@@ -4,6 +4,8 @@ For each pair (``gqa``: stdlib-qwen3-tiny + its drafter; ``mla``: stdlib-mla-tin
 every configuration greedily continues the same held-out prompts (``models/heldout_prompts.json``: windows of the
 held-out stdlib stream, never trained on). Reported per configuration: mean acceptance length (1 + accepted /
 drafts, vLLM's own counters), output tokens per second, and how many sequences equal the no-speculation output.
+Each batch size runs the prompts twice and times the second pass, so one-off costs (Triton compiles of first-seen
+shapes, lazy allocations) stay out of the numbers; prefix caching is off, so both passes prefill.
 
 On a GPU the engines run Model Runner V2 in bf16 with FULL decode CUDA graphs (no torch.compile); on vLLM-CPU
 (V1, GQA pair only) in float32, where greedy equality is exact. One process per engine.
@@ -42,7 +44,8 @@ def write_prompts(n: int = 64, length: int = 64) -> None:
 
 
 def engine_kwargs(gpu: bool, max_batch: int) -> dict:
-    common = dict(max_model_len=512, max_num_seqs=max_batch, seed=0, disable_log_stats=False)
+    common = dict(max_model_len=512, max_num_seqs=max_batch, seed=0, disable_log_stats=False,
+                  enable_prefix_caching=False)  # the timed pass prefills like the warm-up pass did
     if not gpu:
         return dict(common, dtype="float32", max_num_batched_tokens=512)
     return dict(common, dtype="bfloat16", gpu_memory_utilization=0.1,
@@ -51,6 +54,13 @@ def engine_kwargs(gpu: bool, max_batch: int) -> dict:
 
 def _counters(llm: object) -> dict[str, float]:
     return {m.name: m.value for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode") and hasattr(m, "value")}
+
+
+def _decode(llm: object, prompts: list[dict], params: object, batch: int) -> list[list[int]]:
+    tokens: list[list[int]] = []
+    for i in range(0, len(prompts), batch):
+        tokens += [list(o.outputs[0].token_ids) for o in llm.generate(prompts[i : i + batch], params, use_tqdm=False)]
+    return tokens
 
 
 def run_one(args: argparse.Namespace) -> None:
@@ -67,14 +77,11 @@ def run_one(args: argparse.Namespace) -> None:
     llm = LLM(model=target, speculative_config=spec, **engine_kwargs(gpu, max(args.batches)))
     prompts = [{"prompt_token_ids": p} for p in json.loads(PROMPTS.read_text())[: args.prompts]]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    llm.generate(prompts[: max(args.batches)], params, use_tqdm=False)  # warm every graph
     for batch in args.batches:
+        _decode(llm, prompts, params, batch)  # warm-up pass: graphs, and Triton kernels' first-shape compiles
         before = _counters(llm)
-        tokens: list[list[int]] = []
         start = time.perf_counter()
-        for i in range(0, len(prompts), batch):
-            outputs = llm.generate(prompts[i : i + batch], params, use_tqdm=False)
-            tokens += [list(o.outputs[0].token_ids) for o in outputs]
+        tokens = _decode(llm, prompts, params, batch)
         wall = time.perf_counter() - start
         after = _counters(llm)
         drafts = after.get("vllm:spec_decode_num_drafts", 0) - before.get("vllm:spec_decode_num_drafts", 0)

@@ -40,21 +40,23 @@ SHARED_CONFIG = dict(
 
 def make_mla_config() -> DeepseekV3Config:
     """kv_lora_rank 512 and qk_rope_head_dim 64 as in DeepSeek-V3 / Kimi-K2, so vLLM runs the MLA verify kernel;
-    no q-LoRA and only dense MLPs (first_k_dense_replace = all layers) to stay tiny."""
+    qk_nope_head_dim 64 / v_head_dim 128, one of the head shapes vLLM's MLA prefill (FlashAttention) accepts; 8 heads
+    (the kernel's minimum); no q-LoRA and only dense MLPs (first_k_dense_replace = all layers), 2 layers to stay
+    tiny."""
     return DeepseekV3Config(
         **SHARED_CONFIG,
         intermediate_size=512,
         moe_intermediate_size=256,
-        num_hidden_layers=3,
-        first_k_dense_replace=3,
+        num_hidden_layers=2,
+        first_k_dense_replace=2,
         n_routed_experts=8,
         num_attention_heads=8,
         num_key_value_heads=8,
         kv_lora_rank=512,
         q_lora_rank=None,
         qk_rope_head_dim=64,
-        qk_nope_head_dim=32,
-        v_head_dim=32,
+        qk_nope_head_dim=64,
+        v_head_dim=128,
         architectures=["DeepseekV3ForCausalLM"],
     )
 

@@ -115,8 +115,8 @@ def write_target(path: Path, seed: int = 0, hot_tokens: int = 24) -> Path:
 MLA_HEADS = 8
 MLA_KV_LORA_RANK = 512  # the real DeepSeek-V3 / Kimi-K2 latent dims, so the MLA tree-verify kernel runs
 MLA_ROPE_DIM = 64
-MLA_NOPE_DIM = 64
-MLA_V_DIM = 64
+MLA_NOPE_DIM = 128  # (128, 64, 128): DeepSeek-V3 dims, which vLLM's MLA prefill (FlashAttention) accepts
+MLA_V_DIM = 128
 
 
 def _mla_attention(prefix: str, rand: Callable[..., torch.Tensor]) -> dict[str, torch.Tensor]:
