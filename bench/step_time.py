@@ -117,10 +117,27 @@ def run_one(args: argparse.Namespace) -> None:
                 llm.generate(prompts, params, use_tqdm=False)
                 steps = [b - a for a, b in pairwise(clock.starts)][3:]  # skip prefill and ramp-up
                 samples.append(statistics.median(steps))
+            if args.profile and context == args.contexts[0] and batch == args.batches[0]:
+                _profile(llm, prompts, args, Path(args.profile) / f"{args.target}-{args.method}-{args.budget}.txt")
             row = {"method": args.method, "budget": args.budget if spec else 0, "width": width, "context": context,
                    "batch": batch, "step_ms": round(1e3 * statistics.median(samples), 4),
                    "samples_ms": [round(1e3 * s, 4) for s in samples]}
             print("RESULT " + json.dumps(row), flush=True)
+
+
+def _profile(llm: object, prompts: list[dict], args: argparse.Namespace, out: Path) -> None:
+    """One more timed ``generate`` under torch.profiler: kernels and host ops per decode step, for finding overheads."""
+    import torch
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1 + args.steps, ignore_eos=True)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(f"{args.method} budget {args.budget}: one generate of {1 + args.steps} tokens (first is prefill)\n"
+                   + prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40) + "\n"
+                   + prof.key_averages().table(sort_by="cpu_time_total", row_limit=40))  # fmt: skip
 
 
 def main() -> None:
@@ -133,6 +150,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("bench/results/step_time_h200.json"))
+    parser.add_argument("--profile", metavar="DIR", help="also write a torch.profiler table per configuration here")
     parser.add_argument("--one", nargs=2, metavar=("METHOD", "BUDGET"), help=argparse.SUPPRESS)
     parser.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -153,6 +171,8 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--target", args.target, "--one", method, str(budget), "--workdir",
                    workdir, "--steps", str(args.steps), "--repeats", str(args.repeats), "--contexts",
                    *map(str, args.contexts), "--batches", *map(str, args.batches)]  # fmt: skip
+            if args.profile:
+                cmd += ["--profile", args.profile]
             # Stream the child's results: a run cut short still leaves every finished row on disk and on screen.
             with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
                 for line in proc.stdout:
