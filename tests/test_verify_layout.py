@@ -21,6 +21,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 def random_step(seed: int, device: str = "cpu") -> dict:
     """A V2-like batch: decode rows with 0..budget drafts, prefill chunks, padded idx -1, trees stored per state."""
+    return random_batch(seed, device)[0]
+
+
+def random_batch(seed: int, device: str = "cpu") -> tuple[dict, TreeBuffers]:
+    """``random_step``'s layout arguments and the tree buffers they were drawn from."""
     gen = torch.Generator().manual_seed(seed)
     budget, max_reqs = int(torch.randint(1, 63, (1,), generator=gen)), 12
     trees = TreeBuffers(max_reqs, budget, torch.device(device))
@@ -49,7 +54,7 @@ def random_step(seed: int, device: str = "cpu") -> dict:
         positions[qsl[b] : qsl[b + 1]] = base + torch.arange(q_lens[b])
     return dict(positions=positions.to(device), token_bits=torch.full((num_tokens + 5,), 7, dtype=torch.int64,
                 device=device), query_start_loc=qsl.to(device), cu_num_logits=cu.to(device),
-                idx_mapping=idx.to(device), tree_depth=trees.depth, tree_anc=trees.anc_bits, num_reqs=num_reqs)
+                idx_mapping=idx.to(device), tree_depth=trees.depth, tree_anc=trees.anc_bits, num_reqs=num_reqs), trees
 
 
 def test_reference_layout_semantics() -> None:
@@ -73,7 +78,7 @@ def test_reference_layout_semantics() -> None:
 
 
 def test_path_permutation_puts_path_rows_in_order() -> None:
-    from vllm_ddtree.speculator import path_permutation
+    from vllm_ddtree.verify_layout import path_permutation
 
     accepted = torch.tensor([[0, 2, 5, -1], [0, -1, -1, -1], [0, 1, 3, 4]])
     paths = AcceptedPaths(accepted, torch.tensor([2, 0, 3]), torch.zeros(3, 8, dtype=torch.int64))
@@ -85,15 +90,61 @@ def test_path_permutation_puts_path_rows_in_order() -> None:
     assert torch.equal(order, expect)
 
 
-def test_flat_to_tree_rows() -> None:
-    from vllm_ddtree.sampler import _flat_to_tree_rows
+def verify_batch(seed: int) -> tuple[dict, TreeBuffers, torch.Tensor, torch.Tensor, AcceptedPaths]:
+    """A random V2 verify batch (target picks that mostly follow the trees, draft tokens read from the trees) and
+    its accepted paths from an independent per-request oracle (``walk_trees_torch`` on one gathered tree)."""
+    from vllm_ddtree.accept import walk_trees_torch
 
-    flat = torch.arange(10, 20)
-    cu = torch.tensor([0, 3, 4, 10])
-    starts, counts = cu[:-1], cu[1:] - cu[:-1]
-    want = [[10, 11, 12, -1], [13, -1, -1, -1], [14, 15, 16, 17]]
-    assert _flat_to_tree_rows(flat, starts, counts, 4, -1).tolist() == want
-    assert _flat_to_tree_rows(flat, starts + 1, counts - 1, 3, 0).tolist() == [[11, 12, 0], [0, 0, 0], [15, 16, 17]]
+    step, trees = random_batch(seed)
+    gen = torch.Generator().manual_seed(seed)
+    cu, idx, width = step["cu_num_logits"].tolist(), step["idx_mapping"].tolist(), trees.parents.shape[1]
+    picks = torch.randint(0, 50, (cu[-1],), generator=gen)
+    inputs = torch.randint(0, 50, (cu[-1],), generator=gen)
+    accepted, num_accepted, outputs = [], [], []
+    for b in range(step["num_reqs"]):
+        rsi, start, count = idx[b], cu[b], cu[b + 1] - cu[b]
+        parents = trees.parents[rsi]
+        for i in range(1, count):  # node i's draft token, distinct among siblings
+            inputs[start + i] = int(trees.parents[rsi, i]) * 64 + i
+        for i in range(count):
+            children = [j for j in range(1, count) if int(parents[j]) == i]
+            if children and torch.rand(1, generator=gen) < 0.8:
+                picks[start + i] = inputs[start + children[int(torch.randint(len(children), (1,), generator=gen))]]
+        target = torch.full((1, width), -1)
+        target[0, :count] = picks[start : start + count]
+        tokens = torch.zeros(1, width - 1, dtype=torch.int64)
+        tokens[0, : count - 1] = inputs[start + 1 : start + count]
+        num_nodes = torch.tensor([min(count - 1, int(trees.num_nodes[rsi]))])
+        one = walk_trees_torch(tokens, trees.parents[rsi : rsi + 1], trees.anc_bits[rsi : rsi + 1], num_nodes,
+                               target, 6)  # fmt: skip
+        accepted.append(one.accepted_nodes)
+        num_accepted.append(one.num_accepted)
+        outputs.append(one.output_tokens)
+    want = AcceptedPaths(torch.cat(accepted), torch.cat(num_accepted), torch.cat(outputs))
+    return step, trees, picks, inputs, want
+
+
+def test_walk_verify_batch_reference_matches_per_request_oracle() -> None:
+    from vllm_ddtree.accept import walk_verify_batch_torch
+
+    for seed in range(20):
+        step, trees, picks, inputs, want = verify_batch(seed)
+        got = walk_verify_batch_torch(picks, inputs, step["cu_num_logits"], step["idx_mapping"], trees.parents,
+                                      trees.anc_bits, trees.num_nodes, 6)  # fmt: skip
+        for field in ("accepted_nodes", "num_accepted", "output_tokens"):
+            assert torch.equal(getattr(got, field), getattr(want, field)), (seed, field)
+        assert (want.num_accepted > 0).any() or seed != 0
+
+
+def test_move_path_rows_reference_is_the_path_permutation_gather() -> None:
+    from vllm_ddtree.verify_layout import path_permutation
+
+    accepted = torch.tensor([[0, 2, 5, -1], [0, -1, -1, -1], [0, 1, 3, 4]])
+    paths = AcceptedPaths(accepted, torch.tensor([2, 0, 3]), torch.zeros(3, 8, dtype=torch.int64))
+    qsl, cu = torch.tensor([0, 7, 8, 14]), torch.tensor([0, 7, 8, 14])
+    hidden = torch.arange(14.0)[:, None].repeat(1, 3)
+    moved = hidden[path_permutation(qsl[1:] - (cu[1:] - cu[:-1]), paths, 14)]
+    assert moved[:, 0].tolist() == [0, 2, 5, 3, 4, 5, 6, 7, 8, 9, 11, 12, 12, 13]
 
 
 def test_tree_buffers_route_padded_rows_to_trash() -> None:
@@ -121,6 +172,25 @@ INTERPRETER_CHECK = textwrap.dedent(
         args = {k: v for k, v in got.items() if k != "token_bits"}
         restore_linear_positions(**args)
         assert torch.equal(got["positions"], linear), seed
+
+    from test_verify_layout import verify_batch
+    from vllm_ddtree.accept import walk_verify_batch
+    from vllm_ddtree.verify_layout import move_path_rows, path_permutation
+
+    for seed in range(20):
+        step, trees, picks, inputs, want = verify_batch(seed)
+        got, num_sampled = walk_verify_batch(picks, inputs.to(torch.int32), step["cu_num_logits"],
+                                             step["idx_mapping"], trees.parents, trees.anc_bits, trees.num_nodes, 6)
+        for field in ("accepted_nodes", "num_accepted", "output_tokens"):
+            assert torch.equal(getattr(got, field), getattr(want, field)), (seed, field)
+        assert torch.equal(num_sampled, (want.num_accepted + 1).to(torch.int32))
+        qsl, cu = step["query_start_loc"], step["cu_num_logits"]
+        hidden = torch.randn(int(qsl[-1]) + 3, 40)
+        expect = hidden.clone()
+        n = int(qsl[-1])
+        expect[:n] = hidden[path_permutation(qsl[1:] - (cu[1:] - cu[:-1]), want, n)]
+        move_path_rows(hidden, qsl, cu, want)
+        assert torch.equal(hidden, expect), seed
     print("ok")
     """
 )
@@ -143,6 +213,28 @@ def test_cuda_layout_kernel_matches_reference() -> None:
         write_verify_layout(**got)
         assert torch.equal(want["positions"], got["positions"].cpu())
         assert torch.equal(want["token_bits"], got["token_bits"].cpu())
+
+
+@pytest.mark.gpu
+def test_cuda_walk_and_path_rows_match_the_oracle() -> None:
+    from vllm_ddtree.accept import walk_verify_batch
+    from vllm_ddtree.verify_layout import move_path_rows, path_permutation
+
+    for seed in range(20):
+        step, trees, picks, inputs, want = verify_batch(seed)
+        cuda = {k: v.cuda() for k, v in step.items() if isinstance(v, torch.Tensor)}
+        got, num_sampled = walk_verify_batch(picks.cuda(), inputs.cuda().to(torch.int32), cuda["cu_num_logits"],
+                                             cuda["idx_mapping"], trees.parents.cuda(), trees.anc_bits.cuda(),
+                                             trees.num_nodes.cuda(), 6)  # fmt: skip
+        for field in ("accepted_nodes", "num_accepted", "output_tokens"):
+            assert torch.equal(getattr(got, field).cpu(), getattr(want, field)), (seed, field)
+        assert torch.equal(num_sampled.cpu(), (want.num_accepted + 1).to(torch.int32))
+        qsl, cu = step["query_start_loc"], step["cu_num_logits"]
+        hidden = torch.randn(int(qsl[-1]), 2560, dtype=torch.bfloat16)
+        expect = hidden[path_permutation(qsl[1:] - (cu[1:] - cu[:-1]), want, int(qsl[-1]))]
+        moved = hidden.cuda()
+        move_path_rows(moved, cuda["query_start_loc"], cuda["cu_num_logits"], got)
+        assert torch.equal(moved.cpu(), expect), seed
 
 
 def test_mla_backend_causal_words_per_token() -> None:

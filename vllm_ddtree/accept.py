@@ -23,6 +23,7 @@ persistent buffers directly (``walk_trees(t.node_tokens, t.parents, t.anc_bits, 
 Siblings must carry distinct tokens (so at most one child can match), as the tree builder guarantees.
 """
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -107,33 +108,61 @@ def walk_trees_torch(
     return AcceptedPaths(accepted_nodes=accepted_nodes, num_accepted=num_accepted, output_tokens=out[:, :width])
 
 
+def walk_verify_batch_torch(
+    picks: Tensor, inputs: Tensor, cu_num_logits: Tensor, tree_rows: Tensor, parents: Tensor, anc_bits: Tensor,
+    num_nodes: Tensor, max_depth: int,
+) -> AcceptedPaths:
+    """``walk_verify_batch`` in torch ops (the reference): gather each request's verify rows into ``[B, W]``."""
+    budget = parents.shape[1] - 1
+    starts = cu_num_logits[:-1].to(torch.int64)
+    counts = cu_num_logits[1:].to(torch.int64) - starts
+    col = torch.arange(budget + 1, device=picks.device)
+    index = (starts[:, None] + col[None, :]).clamp(0, max(picks.shape[0] - 1, 0))
+    target = torch.where(col[None, :] < counts[:, None], picks.to(torch.int64)[index], -1)
+    tokens = torch.where(col[None, 1:] < counts[:, None], inputs.to(torch.int64)[index[:, 1:]], 0)
+    rows = tree_rows.to(torch.int64)
+    rows = torch.where(rows >= 0, rows, parents.shape[0] - 1)
+    return walk_trees_torch(tokens, parents[rows], anc_bits[rows], torch.minimum(counts - 1, num_nodes[rows]), target,
+                            max_depth)  # fmt: skip
+
+
 @triton.jit
 def _walk_kernel(
-    tok_ptr,
+    pick_ptr,
+    input_ptr,
+    cu_ptr,
+    row_ptr,
     par_ptr,
     anc_ptr,
     num_ptr,
-    pick_ptr,
     acc_ptr,
     num_acc_ptr,
     out_ptr,
+    num_sampled_ptr,
+    trash_row,
     max_depth,
     BUDGET: tl.constexpr,
     BLOCK: tl.constexpr,
     COLS: tl.constexpr,
 ):
-    """One program per tree, the same ancestor-bitmask test as ``walk_trees_torch`` held in registers."""
+    """One program per request, the same ancestor-bitmask test as ``walk_trees_torch`` held in registers; the
+    request's verify rows are read straight from the flat batch (row i = node i) and its tree from its buffer row."""
     b = tl.program_id(0).to(tl.int64)
     width = BUDGET + 1
     idx = tl.arange(0, BLOCK)
+    start = tl.load(cu_ptr + b).to(tl.int64)
+    count = tl.load(cu_ptr + b + 1).to(tl.int64) - start
+    row = tl.load(row_ptr + b).to(tl.int64)
+    row = tl.where(row >= 0, row, trash_row)
     in_tree = idx < width
-    parents = tl.load(par_ptr + b * width + idx, mask=in_tree, other=-1)
-    anc = tl.load(anc_ptr + b * width + idx, mask=in_tree, other=0)
-    picks = tl.load(pick_ptr + b * width + idx, mask=in_tree, other=-1)
-    tokens = tl.load(tok_ptr + b * BUDGET + idx - 1, mask=(idx >= 1) & in_tree, other=-1)
-    num_nodes = tl.load(num_ptr + b)
-    parent_pick = tl.load(pick_ptr + b * width + tl.maximum(parents, 0), mask=in_tree, other=-1)
-    matched = (idx == 0) | ((idx <= num_nodes) & (tokens == parent_pick))
+    present = idx < count
+    parents = tl.load(par_ptr + row * width + idx, mask=in_tree, other=-1)
+    anc = tl.load(anc_ptr + row * width + idx, mask=in_tree, other=0)
+    picks = tl.load(pick_ptr + start + idx, mask=present & in_tree, other=-1).to(tl.int64)
+    tokens = tl.load(input_ptr + start + idx, mask=(idx >= 1) & present & in_tree, other=-1).to(tl.int64)
+    num_nodes = tl.minimum(tl.load(num_ptr + row), count - 1)
+    parent_pick = tl.load(pick_ptr + start + tl.maximum(parents, 0), mask=in_tree & (parents < count), other=-1)
+    matched = (idx == 0) | ((idx <= num_nodes) & (tokens == parent_pick.to(tl.int64)))
     matched_bits = tl.sum(tl.where(matched, tl.full([BLOCK], 1, tl.int64) << idx.to(tl.int64), 0), axis=0)
     on_path = in_tree & ((anc & ~matched_bits) == 0)
     depth = tl.cumsum(on_path.to(tl.int32), axis=0) - 1
@@ -146,6 +175,7 @@ def _walk_kernel(
     found = tl.sum(at.to(tl.int32), axis=1) > 0
     tl.store(acc_ptr + b * (max_depth + 1) + col, tl.where(found, node_at, -1), mask=col <= max_depth)
     tl.store(num_acc_ptr + b, num_acc)
+    tl.store(num_sampled_ptr + b, (num_acc + 1).to(tl.int32))
 
     # Output column c < a holds the token of the path node at depth c+1; column a the pick at the last node.
     out_col = tl.arange(0, BLOCK)
@@ -155,35 +185,53 @@ def _walk_kernel(
     tl.store(out_ptr + b * width + out_col, out, mask=out_col < width)
 
 
-def walk_trees_triton(
-    node_tokens: Tensor, parents: Tensor, anc_bits: Tensor, num_nodes: Tensor, target_tokens: Tensor, max_depth: int
-) -> AcceptedPaths:
-    """Triton path of ``walk_trees`` (CUDA, one-word masks): one launch instead of ~30 small torch kernels."""
-    batch, budget = node_tokens.shape
-    width = budget + 1
-    if anc_bits.dim() != 2:
-        raise ValueError(f"the Triton walk handles one-word ancestor masks (W <= 64), got {tuple(anc_bits.shape)}")
-    device = node_tokens.device
+def walk_verify_batch(
+    picks: Tensor, inputs: Tensor, cu_num_logits: Tensor, tree_rows: Tensor, parents: Tensor, anc_bits: Tensor,
+    num_nodes: Tensor, max_depth: int,
+) -> tuple[AcceptedPaths, Tensor]:
+    """The walk of a whole verify batch in one launch, straight from the runner's flat tensors.
+
+    Request ``b``'s verify rows are ``cu_num_logits[b] .. cu_num_logits[b+1]-1``; row ``i`` is node ``i``, so
+    ``picks[row]`` is the target's choice at the node and ``inputs[row]`` (``i >= 1``) the node's draft token. Its
+    tree is row ``tree_rows[b]`` of the persistent ``parents`` / ``anc_bits`` ``[R, W]`` and ``num_nodes`` ``[R]``
+    (``W <= 64``; -1, a padded batch row, reads the last buffer row); nodes beyond the request's verified rows are
+    not real. Returns the paths and ``num_sampled``
+    ``[B]`` int32 (accepted + bonus). Triton on CUDA (and under the Triton interpreter); static shapes, no sync.
+    """
+    batch, width = tree_rows.shape[0], parents.shape[1]
+    device = picks.device
+    if not (picks.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") or anc_bits.dim() != 2:
+        paths = walk_verify_batch_torch(picks, inputs, cu_num_logits, tree_rows, parents, anc_bits, num_nodes,
+                                        max_depth)  # fmt: skip
+        return paths, (paths.num_accepted + 1).to(torch.int32)
     accepted_nodes = torch.empty(batch, max_depth + 1, dtype=torch.int64, device=device)
     num_accepted = torch.empty(batch, dtype=torch.int64, device=device)
     out = torch.empty(batch, width, dtype=torch.int64, device=device)
+    num_sampled = torch.empty(batch, dtype=torch.int32, device=device)
     if batch > 0:
         _walk_kernel[(batch,)](
-            node_tokens.contiguous(),
-            parents.contiguous(),
-            anc_bits.contiguous(),
-            num_nodes.contiguous(),
-            target_tokens.to(torch.int64).contiguous(),
-            accepted_nodes,
-            num_accepted,
-            out,
-            max_depth,
-            BUDGET=budget,
-            BLOCK=triton.next_power_of_2(width),
-            COLS=triton.next_power_of_2(max_depth + 1),
-            num_warps=2,
-        )
-    return AcceptedPaths(accepted_nodes=accepted_nodes, num_accepted=num_accepted, output_tokens=out)
+            picks, inputs, cu_num_logits, tree_rows, parents, anc_bits, num_nodes, accepted_nodes, num_accepted,
+            out, num_sampled, parents.shape[0] - 1, max_depth, BUDGET=width - 1, BLOCK=triton.next_power_of_2(width),
+            COLS=triton.next_power_of_2(max_depth + 1), num_warps=2,
+        )  # fmt: skip
+    return AcceptedPaths(accepted_nodes=accepted_nodes, num_accepted=num_accepted, output_tokens=out), num_sampled
+
+
+def walk_trees_triton(
+    node_tokens: Tensor, parents: Tensor, anc_bits: Tensor, num_nodes: Tensor, target_tokens: Tensor, max_depth: int
+) -> AcceptedPaths:
+    """``walk_trees`` through the batch kernel (CUDA, one-word masks): one launch instead of ~30 small kernels."""
+    batch, budget = node_tokens.shape
+    if anc_bits.dim() != 2:
+        raise ValueError(f"the Triton walk handles one-word ancestor masks (W <= 64), got {tuple(anc_bits.shape)}")
+    width = budget + 1
+    device = node_tokens.device
+    inputs = torch.cat([torch.zeros(batch, 1, dtype=torch.int64, device=device), node_tokens.to(torch.int64)], 1)
+    cu = torch.arange(batch + 1, dtype=torch.int64, device=device) * width
+    rows = torch.arange(batch, dtype=torch.int64, device=device)
+    paths, _ = walk_verify_batch(target_tokens.to(torch.int64).contiguous().view(-1), inputs.view(-1), cu, rows,
+                                 parents.contiguous(), anc_bits.contiguous(), num_nodes.contiguous(), max_depth)
+    return paths
 
 
 def walk_trees(

@@ -22,7 +22,7 @@ from vllm.v1.worker.gpu.metrics.logits import get_num_nans
 from vllm.v1.worker.gpu.sample.output import SamplerOutput as SamplerOutputV2
 from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler as RejectionSamplerV2
 
-from vllm_ddtree.accept import walk_trees
+from vllm_ddtree.accept import walk_trees, walk_verify_batch
 from vllm_ddtree.kv_compact import KVCompactor, compact_kv_slabs
 from vllm_ddtree.tree_state import DDTreeStepState, request_needs_chain
 
@@ -124,16 +124,6 @@ class DDTreeRejectionSamplerV1(RejectionSampler):
         return compactors
 
 
-def _flat_to_tree_rows(flat: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, width: int,
-                       fill: int) -> torch.Tensor:
-    """``[B, width]`` view of per-request runs of ``flat``: ``out[b, i] = flat[starts[b] + i]`` for
-    ``i < counts[b]``, else ``fill``. Static shapes, no host reads."""
-    col = torch.arange(width, device=flat.device)
-    present = col[None, :] < counts[:, None]
-    index = (starts[:, None] + col[None, :]).clamp(0, max(flat.shape[0] - 1, 0))
-    return torch.where(present, flat[index], fill)
-
-
 class DDTreeRejectionSampler(RejectionSamplerV2):
     """Model Runner V2's rejection sampler for DDTree trees (installed through ``ModelState.custom_sampler``).
 
@@ -183,29 +173,22 @@ class DDTreeRejectionSampler(RejectionSamplerV2):
             logits, input_batch.expanded_idx_mapping, input_batch.idx_mapping_np, pos, draft_sampled,
             input_batch.expanded_local_pos,
         )  # fmt: skip
-        cu_num_logits = input_batch.cu_num_logits
-        starts = cu_num_logits[:-1].to(torch.int64)
-        num_logits = cu_num_logits[1:].to(torch.int64) - starts
-        num_drafts = num_logits - 1
-        # Row i of a request is node i: the root's row holds the last accepted token, then the drafts.
-        target_tokens = _flat_to_tree_rows(choices.to(torch.int64), starts, num_logits, self.budget + 1, -1)
-        node_tokens = _flat_to_tree_rows(draft_sampled.to(torch.int64), starts + 1, num_drafts, self.budget, 0)
+        # One launch: row i of a request's verify rows is node i (the root holds the last accepted token).
         trees = self._speculator.trees
-        rows = trees.rows(input_batch.idx_mapping)
-        num_nodes = torch.minimum(num_drafts, trees.num_nodes[rows])
-        paths = walk_trees(node_tokens, trees.parents[rows], trees.anc_bits[rows], num_nodes, target_tokens,
-                           self.max_depth)
+        paths, num_sampled = walk_verify_batch(
+            choices, draft_sampled, input_batch.cu_num_logits, input_batch.idx_mapping, trees.parents,
+            trees.anc_bits, trees.num_nodes, self.max_depth,
+        )  # fmt: skip
         for group_id, compactor in self._compactors:
             compactor(self._block_tables.slot_mappings[group_id], input_batch.query_start_loc,
                       paths.accepted_nodes, paths.num_accepted)
         sampled = paths.output_tokens
-        num_sampled = (paths.num_accepted + 1).to(torch.int32)
         logprobs_tensors = self._get_logprobs_tensors(
             input_batch, sampled, num_sampled,
             processed_logits if self.sampler.logprobs_mode in ("processed_logprobs", "processed_logits") else logits,
         )  # fmt: skip
         num_sampled, num_rejected = get_num_sampled_and_rejected(
-            num_sampled, input_batch.seq_lens, cu_num_logits, input_batch.idx_mapping,
+            num_sampled, input_batch.seq_lens, input_batch.cu_num_logits, input_batch.idx_mapping,
             self.sampler.req_states.prefill_len.gpu,
         )  # fmt: skip
         self._speculator.pending_paths = paths

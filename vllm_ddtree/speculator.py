@@ -28,7 +28,7 @@ from vllm_ddtree.config import DDTreeConfig, get_ddtree_config
 from vllm_ddtree.sampler import DDTreeRejectionSamplerV1
 from vllm_ddtree.tree import DraftTrees, build_trees
 from vllm_ddtree.tree_state import DDTreeStepState, TreeBuffers, needs_chain
-from vllm_ddtree.verify_layout import restore_linear_positions
+from vllm_ddtree.verify_layout import move_path_rows, path_permutation, restore_linear_positions
 
 
 def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,21 +48,6 @@ def build_trees_with_chains(topk_logprobs: torch.Tensor, topk_ids: torch.Tensor,
     trees = build_trees(masked, topk_ids, budget)
     num_nodes = torch.where(chain_rows, trees.num_nodes.clamp(max=depth), trees.num_nodes)
     return dataclasses.replace(trees, num_nodes=num_nodes)
-
-
-def path_permutation(logits_start: torch.Tensor, paths: AcceptedPaths, num_tokens: int) -> torch.Tensor:
-    """``[num_tokens]`` gather index that puts each request's accepted path in path order: row ``root + k`` takes
-    the row of the path's node at depth ``k`` (``k <= a``); every other row keeps its own. Static shapes, no sync."""
-    device = logits_start.device
-    depth = torch.arange(paths.accepted_nodes.shape[1], device=device)
-    keep = (depth[None, :] <= paths.num_accepted[:, None]) & (paths.accepted_nodes >= 0)
-    start = logits_start.to(torch.int64)[:, None]
-    trash = torch.full_like(paths.accepted_nodes, num_tokens)
-    dst = torch.where(keep, start + depth[None, :], trash)
-    src = torch.where(keep, start + paths.accepted_nodes, trash)
-    index = torch.arange(num_tokens + 1, device=device)
-    index.scatter_(0, dst.flatten(), src.flatten())
-    return index[:num_tokens]
 
 
 def path_context(hidden: torch.Tensor, positions: torch.Tensor, query_start_loc: torch.Tensor,
@@ -204,17 +189,12 @@ class DDTreeSpeculator(DFlashSpeculator):
         """Drafter context = the accepted path (linear positions, path-ordered hidden rows), then DFlash + trees."""
         paths, self.pending_paths = self.pending_paths, None
         if paths is not None and not dummy_run:
-            num_reqs, num_tokens = input_batch.num_reqs, input_batch.num_tokens
             restore_linear_positions(
                 input_batch.positions, input_batch.query_start_loc, input_batch.cu_num_logits,
-                input_batch.idx_mapping, self.trees.depth, self.trees.anc_bits, num_reqs,
+                input_batch.idx_mapping, self.trees.depth, self.trees.anc_bits, input_batch.num_reqs,
             )  # fmt: skip
-            logits_start = input_batch.query_start_loc[1 : num_reqs + 1] - (
-                input_batch.cu_num_logits[1 : num_reqs + 1] - input_batch.cu_num_logits[:num_reqs]
-            )
-            order = path_permutation(logits_start, paths, num_tokens)
             for hidden in aux_hidden_states or [last_hidden_states]:
-                hidden[:num_tokens] = hidden[order]
+                move_path_rows(hidden, input_batch.query_start_loc, input_batch.cu_num_logits, paths)
         return super().propose(
             input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states, num_sampled,
             num_rejected, last_sampled, next_prefill_tokens, temperature, seeds, num_tokens_across_dp, dummy_run,

@@ -5,7 +5,8 @@ same persistent ``positions`` buffer that the FULL CUDA graph reads. Between the
 of each tree row in place to ``base + depth(node)`` (the RoPE position the node has on its own path) and writes the
 per-token ancestor words the tree-attention backend reads: bit ``j`` of ``token_bits[t]`` lets query ``t`` see the
 ``j``-th of its request's last ``q_len`` keys. Rows that are not trees get causal words. After the sampler, the
-drafter needs the linear positions back (DFlash reads them for its context), which the same kernel restores.
+drafter needs the linear positions back (DFlash reads them for its context), which the same kernel restores, and
+the target hidden states of the accepted path's nodes in path order (``move_path_rows``).
 
 A batch row verifies a tree when it has drafts (``num_logits > 1``): its last ``num_logits`` tokens are the tree's
 root and first ``num_logits - 1`` nodes, and the tree lives in ``tree_depth``/``tree_anc`` at the row's request
@@ -18,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_ddtree.accept import AcceptedPaths
 from vllm_ddtree.backends.tree_mask import MAX_TREE_WIDTH, causal_bits
 
 
@@ -104,3 +106,53 @@ def verify_layout_reference(positions: torch.Tensor, token_bits: torch.Tensor, q
             root = q_end - num_logits
             token_bits[root : root + num_logits] = tree_anc[rsi, :num_logits]
             positions[root : root + num_logits] = positions[root] + tree_depth[rsi, :num_logits]
+
+
+def path_permutation(logits_start: torch.Tensor, paths: AcceptedPaths, num_tokens: int) -> torch.Tensor:
+    """``[num_tokens]`` gather index that puts each request's accepted path in path order: row ``root + k`` takes
+    the row of the path's node at depth ``k`` (``k <= a``); every other row keeps its own. Static shapes, no sync."""
+    device = logits_start.device
+    depth = torch.arange(paths.accepted_nodes.shape[1], device=device)
+    keep = (depth[None, :] <= paths.num_accepted[:, None]) & (paths.accepted_nodes >= 0)
+    start = logits_start.to(torch.int64)[:, None]
+    trash = torch.full_like(paths.accepted_nodes, num_tokens)
+    dst = torch.where(keep, start + depth[None, :], trash)
+    src = torch.where(keep, start + paths.accepted_nodes, trash)
+    index = torch.arange(num_tokens + 1, device=device)
+    index.scatter_(0, dst.flatten(), src.flatten())
+    return index[:num_tokens]
+
+
+@triton.jit
+def _move_path_rows_kernel(hidden, row_stride, dim, query_start_loc, cu_num_logits, accepted_nodes, acc_stride,
+                           num_accepted, BLOCK: tl.constexpr):
+    """Program (request, column chunk): rows root+1..root+a take the rows of the path's nodes, in depth order.
+
+    In place without a copy: the node at depth ``k`` has index ``>= k`` (parents precede children), so a row that
+    is read later was never written before."""
+    b = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < dim
+    num_logits = tl.load(cu_num_logits + b + 1) - tl.load(cu_num_logits + b)
+    root = (tl.load(query_start_loc + b + 1) - num_logits).to(tl.int64)
+    for k in range(1, tl.load(num_accepted + b) + 1):
+        node = tl.load(accepted_nodes + b * acc_stride + k)
+        row = tl.load(hidden + (root + node) * row_stride + cols, mask=mask)
+        tl.store(hidden + (root + k) * row_stride + cols, row, mask=mask)
+
+
+def move_path_rows(hidden: torch.Tensor, query_start_loc: torch.Tensor, cu_num_logits: torch.Tensor,
+                   paths: AcceptedPaths) -> None:
+    """Put each request's accepted path in path order in ``hidden`` ``[tokens, dim]`` (in place): the verify rows
+    root+1..root+a take the rows of the path's nodes at depths 1..a. One launch, no host reads; the torch reference
+    is a gather through ``path_permutation``."""
+    num_reqs = paths.num_accepted.shape[0]
+    if num_reqs == 0:
+        return
+    if hidden.stride(-1) != 1:
+        raise ValueError("move_path_rows needs rows with a contiguous last dim")
+    block = min(triton.next_power_of_2(hidden.shape[-1]), 1024)
+    _move_path_rows_kernel[(num_reqs, triton.cdiv(hidden.shape[-1], block))](
+        hidden, hidden.stride(0), hidden.shape[-1], query_start_loc, cu_num_logits, paths.accepted_nodes,
+        paths.accepted_nodes.stride(0), paths.num_accepted, BLOCK=block, num_warps=4,
+    )  # fmt: skip
