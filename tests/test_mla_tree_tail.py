@@ -1,0 +1,131 @@
+"""The MLA tree tail (Triton) merged with a context pass equals the fp32 reference of the whole tree verify.
+
+On the H200 the context pass is FlashMLA; here it is ``mla_context_reference`` (fp32), and the kernel runs under
+the Triton interpreter (in a subprocess: the flag must be set before Triton compiles anything). Inputs: a paged
+bf16 latent cache with shuffled pages and NaN-poisoned unused pages/slots, requests with q_len 1..64 (trees and
+causal rows), contexts from 0 up, a q_len-0 padding request.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def random_case(seed: int, device: str = "cpu", heads: int = 8) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    page, num_pages = 16, 96
+    q_lens = [int(torch.randint(1, 65, (1,), generator=gen)) for _ in range(3)] + [1, 0]
+    contexts = [int(torch.randint(0, 300, (1,), generator=gen)) for _ in range(3)] + [0, 0]
+    seq_lens = [c + n for c, n in zip(contexts, q_lens, strict=True)]
+    kv = torch.full((num_pages, page, 576), float("nan"))
+    perm = torch.randperm(num_pages, generator=gen)
+    max_blocks = max(-(-s // page) for s in seq_lens) + 1
+    block_table = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    used = 0
+    for b, length in enumerate(seq_lens):
+        blocks = -(-length // page)
+        block_table[b, :blocks] = perm[used : used + blocks].to(torch.int32)
+        for i in range(length):
+            kv[perm[used + i // page], i % page] = torch.randn(576, generator=gen)
+        used += blocks
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    tokens = int(qsl[-1])
+    bits = torch.zeros(tokens, dtype=torch.int64)
+    for b, n in enumerate(q_lens):
+        for i in range(n):  # an ancestor-like word: self, plus random earlier tail keys
+            word = 1 << i
+            for j in range(i):
+                if torch.rand(1, generator=gen) < 0.5:
+                    word |= 1 << j
+            bits[int(qsl[b]) + i] = word - (1 << 64) if word >= 1 << 63 else word
+    q_nope = torch.randn(tokens, heads, 512, generator=gen)
+    q_pe = torch.randn(tokens, heads, 64, generator=gen)
+    dtype = torch.bfloat16
+    return dict(q_nope=q_nope.to(dtype).to(device), q_pe=q_pe.to(dtype).to(device), kv_cache=kv.to(dtype).to(device),
+                block_table=block_table.to(device), seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device),
+                query_start_loc=qsl.to(device), tree_bits=bits.to(device), softmax_scale=576**-0.5,
+                max_query_len=max(q_lens))  # fmt: skip
+
+
+def check_case(case: dict, with_prefix: bool) -> None:
+    """Tail (+ context reference) vs the whole-verify fp32 reference, on the rows that exist."""
+    from vllm_ddtree.mla_reference import mla_tree_verify_ref
+    from vllm_ddtree.mla_tree_tail import mla_context_reference, mla_tree_tail
+
+    args = {k: case[k] for k in ("q_nope", "q_pe", "kv_cache", "block_table", "seq_lens", "query_start_loc")}
+    seq_lens, qsl = case["seq_lens"].cpu(), case["query_start_loc"].cpu()
+    q_lens = qsl[1:] - qsl[:-1]
+    if not with_prefix:  # the tail alone must equal the verify of a request whose keys are only its tree
+        ref_case = dict(case, seq_lens=q_lens.to(torch.int32))
+        cpu = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in ref_case.items()}
+        shift = (seq_lens - q_lens).tolist()
+        table = cpu["block_table"].clone()
+        kv = cpu["kv_cache"].float()
+        # A copy of each request's tail at the start of fresh pages, so the reference sees only tree keys.
+        pages = kv.shape[0]
+        kv = torch.cat([kv, torch.full((len(shift) * 4, kv.shape[1], 576), float("nan"))])
+        for b, s in enumerate(shift):
+            for j in range(int(q_lens[b])):
+                pos = s + j
+                src = kv[table[b, pos // kv.shape[1]], pos % kv.shape[1]]
+                kv[pages + b * 4 + j // kv.shape[1], j % kv.shape[1]] = src
+            table[b, :4] = torch.arange(pages + b * 4, pages + b * 4 + 4)
+        want, want_lse = mla_tree_verify_ref(cpu["q_nope"], cpu["q_pe"], kv, table, cpu["seq_lens"],
+                                             cpu["query_start_loc"], cpu["tree_bits"], case["softmax_scale"])
+    else:
+        cpu = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in case.items()}
+        want, want_lse = mla_tree_verify_ref(cpu["q_nope"], cpu["q_pe"], cpu["kv_cache"], cpu["block_table"],
+                                             cpu["seq_lens"], cpu["query_start_loc"], cpu["tree_bits"],
+                                             case["softmax_scale"])  # fmt: skip
+    tokens, heads = case["q_nope"].shape[:2]
+    device = case["q_nope"].device
+    out = torch.full((tokens, heads, 512), float("nan"), dtype=case["q_nope"].dtype, device=device)
+    lse = torch.full((tokens, heads), float("nan"), device=device)
+    prefix = {}
+    if with_prefix:
+        po, pl = mla_context_reference(cpu["q_nope"], cpu["q_pe"], cpu["kv_cache"], cpu["block_table"],
+                                       seq_lens - q_lens, qsl, case["softmax_scale"], case["max_query_len"])
+        prefix = dict(prefix_out=po.to(case["q_nope"].dtype).to(device), prefix_lse=pl.to(device))
+    mla_tree_tail(**args, tree_bits=case["tree_bits"], softmax_scale=case["softmax_scale"], out=out, lse=lse,
+                  max_query_len=case["max_query_len"], **prefix)
+    got, got_lse = out.float().cpu(), lse.cpu()
+    assert not got.isnan().any() and not got_lse.isnan().any()
+    err = (got - want).norm() / want.norm()
+    assert err < 1e-2, float(err)
+    assert torch.allclose(got_lse, want_lse, atol=2e-2, rtol=1e-3), float((got_lse - want_lse).abs().max())
+
+
+INTERPRETER_CHECK = textwrap.dedent(
+    """
+    from test_mla_tree_tail import check_case, random_case
+
+    for seed in range(3):
+        check_case(random_case(seed), with_prefix=True)
+        check_case(random_case(seed + 10), with_prefix=False)
+    print("ok")
+    """
+)
+
+
+def test_tail_with_context_pass_matches_reference_in_interpreter() -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(REPO / "tests"), str(REPO)]))
+    proc = subprocess.run([sys.executable, "-c", INTERPRETER_CHECK], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (proc.stdout + proc.stderr)[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [8, 16, 64, 128])
+def test_cuda_tail_matches_reference(heads: int) -> None:
+    for seed in range(4):
+        check_case(random_case(seed, "cuda", heads), with_prefix=True)
+        check_case(random_case(seed + 10, "cuda", heads), with_prefix=False)

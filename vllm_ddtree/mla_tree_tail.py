@@ -1,0 +1,166 @@
+"""The tree tail of MLA verify attention (Triton), merged with a context pass that another kernel already did.
+
+On Hopper, vLLM ships FlashMLA, which reads the latent cache at close to the GPU's limits but knows only causal
+masks. DDTree's MLA backend therefore splits each verify row's keys in two: FlashMLA attends every key before the
+request's last ``q_len`` (the context, visible to all rows, ``causal=False``) and returns its normalised output and
+log-sum-exp; this kernel attends the last ``q_len`` keys (the tree: at most 64) under the ancestor words and merges
+both by log-sum-exp. The context is read once, by FlashMLA, for all tree rows and heads.
+
+One program owns one request and ``BLOCK_M`` (query, head) rows of it (row ``r``: query ``r // H``, head
+``r % H``), so the request's tree keys are read once per row tile. With at most 64 keys per request the softmax is
+exact in two passes: scores over the 576 latent dims, then the output in 128-wide chunks of the 512 value dims.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+KV_LORA_RANK = 512
+ROPE_DIM = 64
+MAX_TREE = 64
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _mla_tree_tail_kernel(q_nope_ptr, q_pe_ptr, kv_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, bits_ptr, prefix_out_ptr,
+                          prefix_lse_ptr, out_ptr, lse_ptr, qk_scale, s_qn_t, s_qn_h, s_qp_t, s_qp_h, s_blk, s_tok,
+                          s_bt, s_po_b, s_po_q, s_po_h, s_pl_b, s_pl_h, s_pl_q, s_o_t, s_o_h, s_l_t,
+                          NUM_HEADS: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
+                          CHUNK: tl.constexpr, HAS_PREFIX: tl.constexpr, F32_DOT: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    q0 = tl.load(qsl_ptr + b).to(tl.int64)
+    q_len = tl.load(qsl_ptr + b + 1).to(tl.int64) - q0
+    r = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    qi = (r // NUM_HEADS).to(tl.int64)
+    head = (r % NUM_HEADS).to(tl.int64)
+    row_ok = qi < q_len
+    if tile * BLOCK_M >= q_len * NUM_HEADS:  # past this request's rows (q_len-0 graph padding stops here)
+        return
+    token = q0 + qi
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int64)
+    tail = seq_len - q_len
+
+    # The request's tail keys: key j sits at position tail + j.
+    j = tl.arange(0, 64)
+    k_ok = j < q_len
+    k_pos = tail + j
+    page = tl.load(bt_ptr + b * s_bt + k_pos // PAGE, mask=k_ok, other=0).to(tl.int64)
+    k_row = kv_ptr + page * s_blk + (k_pos % PAGE) * s_tok
+
+    # Scores over the 512 latent dims (in CHUNK-wide slices) plus the 64 rope dims, in log2 units.
+    c = tl.arange(0, CHUNK)
+    s = tl.zeros([BLOCK_M, 64], tl.float32)
+    for c0 in tl.static_range(0, 512, CHUNK):
+        q = tl.load(q_nope_ptr + token[:, None] * s_qn_t + head[:, None] * s_qn_h + c0 + c[None, :],
+                    mask=row_ok[:, None], other=0.0)
+        k = tl.load(k_row[:, None] + c0 + c[None, :], mask=k_ok[:, None], other=0.0)
+        if F32_DOT:
+            q, k = q.to(tl.float32), k.to(tl.float32)
+        s += tl.dot(q, tl.trans(k))
+    e = tl.arange(0, 64)
+    q_pe = tl.load(q_pe_ptr + token[:, None] * s_qp_t + head[:, None] * s_qp_h + e[None, :], mask=row_ok[:, None],
+                   other=0.0)
+    k_pe = tl.load(k_row[:, None] + 512 + e[None, :], mask=k_ok[:, None], other=0.0)
+    p_dtype = k_pe.dtype
+    if F32_DOT:
+        q_pe, k_pe = q_pe.to(tl.float32), k_pe.to(tl.float32)
+    s = (s + tl.dot(q_pe, tl.trans(k_pe))) * qk_scale
+    bits = tl.load(bits_ptr + token, mask=row_ok, other=0)
+    visible = (((bits[:, None] >> j[None, :].to(tl.int64)) & 1) != 0) & k_ok[None, :]
+    s = tl.where(visible, s, float("-inf"))
+
+    m = tl.max(s, axis=1)
+    if HAS_PREFIX:
+        # FlashMLA's context pass: out [B, s_q, H, 512], lse [B, H, s_q] (natural log; +-inf or NaN when empty).
+        p_lse = tl.load(prefix_lse_ptr + b * s_pl_b + head * s_pl_h + qi * s_pl_q, mask=row_ok, other=float("-inf"))
+        seen = (p_lse == p_lse) & (p_lse != float("inf")) & (p_lse != float("-inf"))
+        p_lse2 = tl.where(seen, p_lse * 1.4426950408889634, float("-inf"))
+        m = tl.maximum(m, p_lse2)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    p = tl.math.exp2(s - m_safe[:, None])
+    denom = tl.sum(p, axis=1)
+    if HAS_PREFIX:
+        w_prefix = tl.where(seen, tl.math.exp2(p_lse2 - m_safe), 0.0)
+        denom += w_prefix
+    denom_safe = tl.where(denom == 0.0, 1.0, denom)
+    lse = tl.where(denom == 0.0, float("-inf"), (m_safe + tl.math.log2(denom_safe)) / 1.4426950408889634)
+    tl.store(lse_ptr + token * s_l_t + head, lse, mask=row_ok)
+
+    p = p.to(p_dtype)  # round P like the cache dtype, as tensor-core attention does
+    if F32_DOT:
+        p = p.to(tl.float32)
+    for c0 in tl.static_range(0, 512, CHUNK):
+        v = tl.load(k_row[:, None] + c0 + c[None, :], mask=k_ok[:, None], other=0.0)
+        if F32_DOT:
+            v = v.to(tl.float32)
+        acc = tl.dot(p, v)
+        if HAS_PREFIX:
+            prev = tl.load(prefix_out_ptr + b * s_po_b + qi[:, None] * s_po_q + head[:, None] * s_po_h + c0
+                           + c[None, :], mask=row_ok[:, None] & seen[:, None], other=0.0)
+            acc += prev.to(tl.float32) * w_prefix[:, None]
+        tl.store(out_ptr + token[:, None] * s_o_t + head[:, None] * s_o_h + c0 + c[None, :],
+                 (acc / denom_safe[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def mla_tree_tail(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                  seq_lens: torch.Tensor, query_start_loc: torch.Tensor, tree_bits: torch.Tensor, softmax_scale: float,
+                  out: torch.Tensor, lse: torch.Tensor, max_query_len: int, prefix_out: torch.Tensor | None = None,
+                  prefix_lse: torch.Tensor | None = None) -> None:
+    """Attend each verify row's tree keys (the request's last ``q_len`` <= 64 keys, bit ``j`` of ``tree_bits[t]``
+    lets row ``t`` see key ``j``) and merge the context pass ``prefix_out`` ``[B, s_q, H, 512]`` / ``prefix_lse``
+    ``[B, H, s_q]`` (natural log) in; writes ``out`` ``[T, H, 512]`` and ``lse`` ``[T, H]`` (natural log). Without a
+    prefix only the tree keys are attended. bf16/fp16 cache ``[blocks, page, 576]``; no host reads (CUDA graphs)."""
+    num_reqs, num_heads = seq_lens.shape[0], q_nope.shape[1]
+    if not 1 <= max_query_len <= MAX_TREE:
+        raise ValueError(f"mla_tree_tail handles rows of 1..{MAX_TREE} tokens, got max_query_len={max_query_len}")
+    if kv_cache.dim() != 3 or kv_cache.shape[-1] != KV_LORA_RANK + ROPE_DIM or kv_cache.stride(-1) != 1:
+        raise ValueError(f"kv_cache must be [blocks, page, 576], last dim contiguous; got {tuple(kv_cache.shape)}")
+    if num_reqs == 0 or q_nope.shape[0] == 0:
+        return
+    has_prefix = prefix_out is not None
+    if has_prefix != (prefix_lse is not None):
+        raise ValueError("prefix_out and prefix_lse go together")
+    po = prefix_out if has_prefix else out
+    pl = prefix_lse if has_prefix else lse
+    block_m = 64
+    grid = (num_reqs, triton.cdiv(max_query_len * num_heads, block_m))
+    _mla_tree_tail_kernel[grid](
+        q_nope, q_pe, kv_cache, block_table, seq_lens, query_start_loc, tree_bits, po, pl, out, lse,
+        softmax_scale * _LOG2E, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
+        po.stride(0) if has_prefix else 0, po.stride(1) if has_prefix else 0, po.stride(2) if has_prefix else 0,
+        pl.stride(0) if has_prefix else 0, pl.stride(1) if has_prefix else 0, pl.stride(2) if has_prefix else 0,
+        out.stride(0), out.stride(1), lse.stride(0),
+        NUM_HEADS=num_heads, PAGE=kv_cache.shape[1], BLOCK_M=block_m, CHUNK=128, HAS_PREFIX=has_prefix,
+        F32_DOT=os.environ.get("TRITON_INTERPRET") == "1", num_warps=4,
+    )  # fmt: skip
+
+
+def mla_context_reference(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                          context_lens: torch.Tensor, query_start_loc: torch.Tensor, softmax_scale: float,
+                          max_query_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 stand-in for FlashMLA's context pass (tests): every row of request ``b`` attends its first
+    ``context_lens[b]`` keys; returns out ``[B, s_q, H, 512]`` and lse ``[B, H, s_q]`` (+inf where empty, as FlashMLA
+    reports it; padded query slots stay 0 / +inf)."""
+    num_reqs, num_heads = context_lens.shape[0], q_nope.shape[1]
+    page = kv_cache.shape[1]
+    out = torch.zeros(num_reqs, max_query_len, num_heads, KV_LORA_RANK, dtype=torch.float32)
+    lse = torch.full((num_reqs, num_heads, max_query_len), float("inf"))
+    qsl = query_start_loc.tolist()
+    for b in range(num_reqs):
+        n, ctx = qsl[b + 1] - qsl[b], int(context_lens[b])
+        if n == 0 or ctx == 0:
+            continue
+        pages = block_table[b, : -(-ctx // page)].long()
+        kv = kv_cache[pages].reshape(-1, KV_LORA_RANK + ROPE_DIM)[:ctx].float()
+        q = torch.cat([q_nope[qsl[b] : qsl[b + 1]], q_pe[qsl[b] : qsl[b + 1]]], -1).float()  # [n, H, 576]
+        s = torch.einsum("nhd,kd->nhk", q, kv) * softmax_scale
+        row_lse = torch.logsumexp(s, -1)
+        out[b, :n] = torch.einsum("nhk,kd->nhd", torch.exp(s - row_lse[..., None]), kv[:, :KV_LORA_RANK])
+        lse[b, :, :n] = row_lse.T
+    return out, lse
