@@ -11,7 +11,8 @@ Targets:
   qwen3-4b  Qwen3-4B geometry (36 layers, GQA 32/8 heads); configs none, dflash, ddtree (all V2).
   kimi-mla  DeepSeek-V3 architecture with Kimi-K2 attention (64 heads, kv_lora_rank 512, q_lora_rank 1536),
             4 dense layers, hidden 2048; configs none and dflash on V2 + FLASHMLA, dflash-v1 on V1 + TRITON_MLA
-            (the only MLA path without FlashMLA), ddtree on V2 + DDTree's MLA backend.
+            (the only MLA path without FlashMLA), ddtree on V2 + DDTree's MLA backend (FlashMLA context + our
+            tree tail), ddtree-own with our CUDA kernel for the whole verify (the portable path).
 
     python bench/step_time.py --target qwen3-4b --budgets 8 16 --contexts 4096 32768 --batches 1 16 --out x.json
 """
@@ -42,13 +43,15 @@ KIMI_MLA = dict(model_type="deepseek_v3", hidden_size=2048, intermediate_size=81
                 n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1,
                 first_k_dense_replace=4, moe_layer_freq=1, routed_scaling_factor=1.0, topk_method="noaux_tc",
                 scoring_func="sigmoid", norm_topk_prob=True, rope_scaling=None)  # fmt: skip
-# Per target: architecture, config, and each configuration's (spec method, target attention backend, V2 runner?).
+# Per target: architecture, config, and each configuration's (spec method, target attention backend, V2 runner?,
+# extra environment).
 TARGETS = {
     "qwen3-4b": ("Qwen3ForCausalLM", QWEN3_4B, {
-        "none": (None, None, True), "dflash": ("dflash", None, True), "ddtree": ("ddtree", None, True)}),
+        "none": (None, None, True, {}), "dflash": ("dflash", None, True, {}), "ddtree": ("ddtree", None, True, {})}),
     "kimi-mla": ("DeepseekV3ForCausalLM", KIMI_MLA, {
-        "none": (None, "FLASHMLA", True), "dflash": ("dflash", "FLASHMLA", True),
-        "dflash-v1": ("dflash", "TRITON_MLA", False), "ddtree": ("ddtree", None, True)}),
+        "none": (None, "FLASHMLA", True, {}), "dflash": ("dflash", "FLASHMLA", True, {}),
+        "dflash-v1": ("dflash", "TRITON_MLA", False, {}), "ddtree": ("ddtree", None, True, {}),
+        "ddtree-own": ("ddtree", None, True, {"DDTREE_MLA_CONTEXT": "ddtree"})}),
 }  # fmt: skip
 
 
@@ -87,7 +90,8 @@ class StepClock:
 
 def run_one(args: argparse.Namespace) -> None:
     """Child process: one engine, every (context, batch); prints one JSON line per measurement."""
-    spec_method, backend, v2 = TARGETS[args.target][2][args.method]
+    spec_method, backend, v2, env = TARGETS[args.target][2][args.method]
+    os.environ.update(env)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if v2 else "0"
     from vllm import LLM, SamplingParams
@@ -193,14 +197,17 @@ def main() -> None:
 def _write(args: argparse.Namespace, rows: list[dict]) -> None:
     """The JSON report; every speculative row gets its ratio to the V2 chain step of the same width, context, batch."""
     chain = {(r["budget"], r["context"], r["batch"]): r["step_ms"] for r in rows if r["method"] == "dflash"}
+    chain_v1 = {(r["budget"], r["context"], r["batch"]): r["step_ms"] for r in rows if r["method"] == "dflash-v1"}
     for r in rows:
         ref = chain.get((r["budget"], r["context"], r["batch"])) if r["budget"] else None
         r["vs_chain"] = round(r["step_ms"] / ref, 3) if ref and r["method"] != "dflash" else None
+        ref_v1 = chain_v1.get((r["budget"], r["context"], r["batch"])) if r["budget"] else None
+        r["vs_chain_v1"] = round(r["step_ms"] / ref_v1, 3) if ref_v1 and r["method"].startswith("ddtree") else None
     arch, geometry, configs = TARGETS[args.target]
     args.out.write_text(json.dumps({
         "machine": "H200", "target": {"name": args.target, "architecture": arch, **geometry},
-        "configs": {name: {"method": m, "target_backend": b or "auto", "runner": "V2" if v2 else "V1"}
-                    for name, (m, b, v2) in configs.items()},
+        "configs": {name: {"method": m, "target_backend": b or "auto", "runner": "V2" if v2 else "V1", "env": env}
+                    for name, (m, b, v2, env) in configs.items()},
         "drafter": f"DFlash {DRAFT_LAYERS} layers, block {DRAFT_BLOCK}, dummy weights", "dtype": "bfloat16",
         "graphs": "FULL_DECODE_ONLY, no torch.compile", "timing": "median interval between steady decode steps",
         "rows": rows}, indent=1))  # fmt: skip

@@ -75,13 +75,19 @@ def test_custom_backend_alone_matches_flashmla_as_closely_as_vllms_own_backends(
     assert ours >= theirs and all(a[:2] == b[:2] for a, b in zip(custom_reference["auto"], flash, strict=True))
 
 
-@pytest.mark.parametrize(("budget", "kv_cache_dtype"), [(1, "auto"), (7, "auto"), (31, "auto"), (7, "fp8")])
-def test_ddtree_mla_matches_target_and_replays_full_graphs(mla_pair, custom_reference, budget, kv_cache_dtype) -> None:
+@pytest.mark.parametrize(("budget", "kv_cache_dtype", "context"),
+                         [(1, "auto", "flashmla"), (7, "auto", "flashmla"), (31, "auto", "flashmla"),
+                          (7, "auto", "ddtree"), (7, "fp8", "flashmla")])  # fmt: skip
+def test_ddtree_mla_matches_target_and_replays_full_graphs(mla_pair, custom_reference, budget, kv_cache_dtype,
+                                                           context, monkeypatch) -> None:
+    """Verify attention on the H200: FlashMLA context + tree tail (bf16 default), or our kernel for everything
+    (``DDTREE_MLA_CONTEXT=ddtree``, the path GPUs without FlashMLA take; fp8 caches always)."""
     from vllm import LLM
 
     from vllm_ddtree.backends.mla import DDTreeMLABackend
     from vllm_ddtree.speculator import DDTreeSpeculator
 
+    monkeypatch.setenv("DDTREE_MLA_CONTEXT", context)
     spec = {"method": "ddtree", "model": str(mla_pair[1]), "num_speculative_tokens": budget}
     llm = LLM(model=str(mla_pair[0]), speculative_config=spec, kv_cache_dtype=kv_cache_dtype, **ENGINE)
     model_runner = runner(llm)
@@ -90,7 +96,7 @@ def test_ddtree_mla_matches_target_and_replays_full_graphs(mla_pair, custom_refe
     verify = ReplayCounter(model_runner.cudagraph_manager)
     draft = ReplayCounter(model_runner.speculator.query_cudagraph_manager)
     want = custom_reference[kv_cache_dtype]
-    label = f"ddtree budget {budget} kv {kv_cache_dtype}"
+    label = f"ddtree budget {budget} kv {kv_cache_dtype} context {context}"
     _mostly_equal(f"{label} batch 8", generate(llm, prompts(), batch=8), want)
     assert verify.count > 0 and draft.count > 0, (verify.count, draft.count)
     _mostly_equal(f"{label} batch 1", generate(llm, prompts()[:10], batch=1), want[:10])

@@ -20,9 +20,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 
 
-def random_case(seed: int, device: str = "cpu", heads: int = 8) -> dict:
+def random_case(seed: int, device: str = "cpu", heads: int = 8, page: int = 16) -> dict:
     gen = torch.Generator().manual_seed(seed)
-    page, num_pages = 16, 96
+    num_pages = 96 * 16 // page + 8
     q_lens = [int(torch.randint(1, 65, (1,), generator=gen)) for _ in range(3)] + [1, 0]
     contexts = [int(torch.randint(0, 300, (1,), generator=gen)) for _ in range(3)] + [0, 0]
     seq_lens = [c + n for c, n in zip(contexts, q_lens, strict=True)]
@@ -129,3 +129,43 @@ def test_cuda_tail_matches_reference(heads: int) -> None:
     for seed in range(4):
         check_case(random_case(seed, "cuda", heads), with_prefix=True)
         check_case(random_case(seed + 10, "cuda", heads), with_prefix=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [8, 64, 128])
+def test_cuda_flashmla_context_plus_tail_matches_reference(heads: int) -> None:
+    """The backend's Hopper decode: vLLM's FlashMLA over the context (no mask, rows padded to a uniform width),
+    then the tail merged in; against the fp32 reference of the whole verify."""
+    from vllm.v1.attention.ops.flashmla import flash_mla_with_kvcache, get_mla_metadata, is_flashmla_dense_supported
+
+    from vllm_ddtree.mla_reference import mla_tree_verify_ref
+    from vllm_ddtree.mla_tree_tail import mla_tree_tail
+
+    if not is_flashmla_dense_supported()[0]:
+        pytest.skip("FlashMLA dense needs Hopper")
+    for seed in range(4):
+        case = random_case(seed, "cuda", heads, page=64)
+        qsl, seq_lens, width = case["query_start_loc"], case["seq_lens"], case["max_query_len"]
+        q_lens = (qsl[1:] - qsl[:-1]).long()
+        cols = torch.arange(width, device="cuda")
+        rows = (qsl[:-1, None].long() + torch.minimum(cols[None, :], (q_lens - 1).clamp(min=0)[:, None])).flatten()
+        tokens = case["q_nope"].shape[0]
+        q = torch.cat([case["q_nope"], case["q_pe"]], -1)[rows.clamp(max=tokens - 1)]
+        q = q.view(len(q_lens), width, heads, 576)
+        context_out, context_lse = flash_mla_with_kvcache(
+            q=q, k_cache=case["kv_cache"].unsqueeze(-2), block_table=case["block_table"],
+            cache_seqlens=(seq_lens - q_lens.int()).int(), head_dim_v=512,
+            tile_scheduler_metadata=get_mla_metadata()[0], softmax_scale=case["softmax_scale"], causal=False,
+        )  # fmt: skip
+        out = torch.full((tokens, heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+        lse = torch.full((tokens, heads), float("nan"), device="cuda")
+        mla_tree_tail(case["q_nope"], case["q_pe"], case["kv_cache"], case["block_table"], seq_lens, qsl,
+                      case["tree_bits"], case["softmax_scale"], out, lse, width, context_out, context_lse)
+        cpu = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in case.items()}
+        want, want_lse = mla_tree_verify_ref(cpu["q_nope"], cpu["q_pe"], cpu["kv_cache"], cpu["block_table"],
+                                             cpu["seq_lens"], cpu["query_start_loc"], cpu["tree_bits"],
+                                             case["softmax_scale"])  # fmt: skip
+        got = out.float().cpu()
+        assert not got.isnan().any()
+        assert (got - want).norm() / want.norm() < 1e-2
+        assert torch.allclose(lse.cpu(), want_lse, atol=2e-2, rtol=1e-3)

@@ -2,15 +2,19 @@
 
 vLLM's MLA common code keeps prefill (vLLM's MLA prefill path) and absorbs the decode queries; this backend's decode
 is ``ddtree::mla_tree_verify``, which reads each request's latent cache once for all its tree rows and heads and
-applies the per-token ancestor words. Rows with up to 64 tokens take the decode path (``QueryLenSupport.VARLEN``,
-reorder threshold 64): tree rows get their tree words from the runner's ``prepare_attn`` hook, every other short row
-is causal. Without a DDTree runner in the process the builder writes causal words itself, so the backend is also
-a correct plain MLA decode backend. All tensors the kernel reads are persistent and its KV split plan is computed
-on the device, so the builder reports ``UNIFORM_BATCH`` and the verify step and the drafter stay in FULL graphs.
+applies the per-token ancestor words. On Hopper with a bf16 cache in 64-token pages, where vLLM ships FlashMLA, the
+decode is split instead: FlashMLA attends each row's context (every key before the request's tree, no mask) and
+``mla_tree_tail`` the tree keys, merged by log-sum-exp (``DDTREE_MLA_CONTEXT=ddtree`` keeps our kernel for all).
+Rows with up to 64 tokens take the decode path (``QueryLenSupport.VARLEN``, reorder threshold 64): tree rows get
+their tree words from the runner's ``prepare_attn`` hook, every other short row is causal. Without a DDTree runner
+in the process the builder writes causal words itself, so the backend is also a correct plain MLA decode backend.
+All tensors the kernels read are persistent and KV split plans are computed on the device, so the builder reports
+``UNIFORM_BATCH`` and the verify step and the drafter stay in FULL graphs.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -33,16 +37,34 @@ ROPE_DIM = 64
 
 @dataclass
 class DDTreeMLADecodeMetadata(MLACommonDecodeMetadata):
-    """Decode rows' block table and lengths (from vLLM) plus their query offsets, grid bound and causal words."""
+    """Decode rows' block table and lengths (from vLLM) plus their query offsets, grid bound and causal words; with
+    the FlashMLA context split also each row's context length, the rows padded to a uniform width for FlashMLA, and
+    FlashMLA's scheduler metadata."""
 
     query_start_loc: torch.Tensor
     max_query_len: int
     causal_token_bits: torch.Tensor
+    context_lens: torch.Tensor | None = None
+    padded_rows: torch.Tensor | None = None
+    flashmla_sched: Any = None
 
 
 @dataclass
 class DDTreeMLAMetadata(MLACommonMetadata[DDTreeMLADecodeMetadata]):
     pass
+
+
+def flashmla_context_enabled(vllm_config: Any, block_size: int) -> bool:
+    """Whether the decode's context keys go to FlashMLA: Hopper with vLLM's FlashMLA, a bf16 model and cache in
+    64-token pages, unless ``DDTREE_MLA_CONTEXT=ddtree``."""
+    from vllm.v1.attention.ops.flashmla import is_flashmla_dense_supported
+
+    choice = os.environ.get("DDTREE_MLA_CONTEXT", "flashmla")
+    if choice not in ("flashmla", "ddtree"):
+        raise ValueError(f"DDTREE_MLA_CONTEXT must be 'flashmla' or 'ddtree', got {choice!r}")
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    return (choice == "flashmla" and block_size == 64 and vllm_config.model_config.dtype == torch.bfloat16
+            and cache_dtype in ("auto", "bfloat16") and is_flashmla_dense_supported()[0])  # fmt: skip
 
 
 def causal_token_bits(query_start_loc: list[int], num_tokens: int) -> torch.Tensor:
@@ -66,6 +88,12 @@ class DDTreeMLAMetadataBuilder(MLACommonMetadataBuilder[DDTreeMLAMetadata]):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device, DDTreeMLAMetadata)
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self._causal_bits = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
+        self._flashmla_context = flashmla_context_enabled(vllm_config, kv_cache_spec.block_size)
+        if self._flashmla_context:
+            max_reqs = vllm_config.scheduler_config.max_num_seqs
+            self._context_lens = torch.zeros(max_reqs, dtype=torch.int32, device=device)
+            self._padded_rows = torch.zeros(max_reqs * MAX_TREE_WIDTH, dtype=torch.int64, device=device)
+            self._cols = torch.arange(MAX_TREE_WIDTH, dtype=torch.int64, device=device)
 
     def _build_decode(self, block_table_tensor: torch.Tensor, seq_lens_device: torch.Tensor, max_seq_len: int,
                       query_start_loc_cpu: torch.Tensor, query_start_loc_device: torch.Tensor,
@@ -75,11 +103,31 @@ class DDTreeMLAMetadataBuilder(MLACommonMetadataBuilder[DDTreeMLAMetadata]):
         if current_tree_masks() is None:  # no DDTree runner writes the words: plain causal decode
             words = causal_token_bits(qsl, num_decode_tokens).pin_memory()
             self._causal_bits[:num_decode_tokens].copy_(words, non_blocking=True)
-        return DDTreeMLADecodeMetadata(
+        width = max(1, min(max_query_len, MAX_TREE_WIDTH))
+        decode = DDTreeMLADecodeMetadata(
             block_table=block_table_tensor, seq_lens=seq_lens_device, dcp_tot_seq_lens=dcp_tot_seq_lens_device,
-            query_start_loc=query_start_loc_device, max_query_len=max(1, min(max_query_len, MAX_TREE_WIDTH)),
-            causal_token_bits=self._causal_bits,
+            query_start_loc=query_start_loc_device, max_query_len=width, causal_token_bits=self._causal_bits,
         )  # fmt: skip
+        if self._flashmla_context:
+            self._plan_flashmla_context(decode, num_decode_tokens)
+        return decode
+
+    def _plan_flashmla_context(self, decode: DDTreeMLADecodeMetadata, num_decode_tokens: int) -> None:
+        """Persistent per-step inputs of the context pass (device ops only): context lengths, and for each request
+        ``width`` row indices into the decode queries (its rows, then its last row repeated) for FlashMLA's uniform
+        ``[B, width]`` query layout."""
+        from vllm.v1.attention.ops.flashmla import get_mla_metadata
+
+        num_reqs, width = decode.seq_lens.shape[0], decode.max_query_len
+        qsl = decode.query_start_loc.to(torch.int64)
+        q_lens = qsl[1:] - qsl[:-1]
+        self._context_lens[:num_reqs] = decode.seq_lens - q_lens.to(torch.int32)
+        rows = qsl[:-1, None] + torch.minimum(self._cols[None, :width], (q_lens - 1).clamp(min=0)[:, None])
+        self._padded_rows[: num_reqs * width] = rows.flatten().clamp(max=max(num_decode_tokens - 1, 0))
+        decode.context_lens = self._context_lens[:num_reqs]
+        decode.padded_rows = self._padded_rows[: num_reqs * width]
+        decode.flashmla_sched = get_mla_metadata()[0]
+
 
 
 class DDTreeMLAImpl(MLACommonImpl[DDTreeMLAMetadata]):
@@ -109,11 +157,33 @@ class DDTreeMLAImpl(MLACommonImpl[DDTreeMLAMetadata]):
         bits = masks.token_bits if masks is not None and masks.token_bits.numel() else decode.causal_token_bits
         out = q_nope.new_empty(num_tokens, num_heads, KV_LORA_RANK)
         lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q_nope.device)
+        if decode.flashmla_sched is not None and q_nope.dtype == kv_c_and_k_pe_cache.dtype == torch.bfloat16:
+            self._flashmla_context_and_tail(q_nope, q_pe, kv_c_and_k_pe_cache, decode, bits[:num_tokens], out, lse)
+            return out, lse
         mla_tree_verify(
             q_nope, q_pe, kv_c_and_k_pe_cache, decode.block_table, decode.seq_lens, decode.query_start_loc,
             bits[:num_tokens], self.scale, getattr(layer, "_k_scale_float", 1.0), out, lse, decode.max_query_len,
         )  # fmt: skip
         return out, lse
+
+
+    def _flashmla_context_and_tail(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
+                                   decode: DDTreeMLADecodeMetadata, bits: torch.Tensor, out: torch.Tensor,
+                                   lse: torch.Tensor) -> None:
+        """FlashMLA over each row's context keys (no mask), then the tree tail merged in (``mla_tree_tail``)."""
+        from vllm.v1.attention.ops.flashmla import flash_mla_with_kvcache
+
+        from vllm_ddtree.mla_tree_tail import mla_tree_tail
+
+        num_reqs, width, num_heads = decode.seq_lens.shape[0], decode.max_query_len, q_nope.shape[1]
+        q = torch.cat([q_nope, q_pe], dim=-1)[decode.padded_rows].view(num_reqs, width, num_heads, -1)
+        context_out, context_lse = flash_mla_with_kvcache(
+            q=q, k_cache=kv_cache.unsqueeze(-2), block_table=decode.block_table, cache_seqlens=decode.context_lens,
+            head_dim_v=KV_LORA_RANK, tile_scheduler_metadata=decode.flashmla_sched, softmax_scale=self.scale,
+            causal=False,
+        )  # fmt: skip
+        mla_tree_tail(q_nope, q_pe, kv_cache, decode.block_table, decode.seq_lens, decode.query_start_loc, bits,
+                      self.scale, out, lse, width, context_out, context_lse)  # fmt: skip
 
 
 class DDTreeMLABackend(MLACommonBackend):
@@ -125,6 +195,13 @@ class DDTreeMLABackend(MLACommonBackend):
     @staticmethod
     def get_supported_kernel_block_sizes() -> list[int | MultipleOf]:
         return [16, 32, 64]
+
+    @classmethod
+    def get_preferred_block_size(cls, default_block_size: int) -> int:
+        """64-token pages where FlashMLA can take the context keys (Hopper), else vLLM's default."""
+        from vllm.v1.attention.ops.flashmla import is_flashmla_dense_supported
+
+        return 64 if is_flashmla_dense_supported()[0] else super().get_preferred_block_size(default_block_size)
 
     @staticmethod
     def get_name() -> str:
