@@ -139,10 +139,28 @@ def block_inputs(seqs: torch.Tensor, anchors: torch.Tensor, bs: int) -> tuple[to
 
 
 @torch.no_grad()
+def layer_outputs(target: torch.nn.Module, input_ids: torch.Tensor, layer_ids: list[int]) -> list[torch.Tensor]:
+    """The residual stream after each decoder layer in ``layer_ids`` (before the final norm): vLLM's aux hidden state
+    for DFlash ``target_layer_id`` l. Hooks, because HF's ``hidden_states`` has the last layer's output post-norm."""
+    captured: dict[int, torch.Tensor] = {}
+
+    def keep(layer_id: int):  # noqa: ANN202 - a forward hook
+        return lambda module, args, out: captured.__setitem__(layer_id, out[0] if isinstance(out, tuple) else out)
+
+    hooks = [target.model.layers[lid].register_forward_hook(keep(lid)) for lid in layer_ids]
+    try:
+        target(input_ids=input_ids)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [captured[lid] for lid in layer_ids]
+
+
+@torch.no_grad()
 def self_distill(target: torch.nn.Module, data: torch.Tensor, n: int, prompt: int, gen: int, layer_ids: list[int],
                  seed: int, batch: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """n random prompt windows + greedy continuations of the frozen target (KV cache); then one full pass for the
-    context features (HF hidden_states[l+1] = output of layer l = vLLM's aux state for target_layer_id l)."""
+    context features (``layer_outputs``)."""
     g = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, data.numel() - prompt, (n,), generator=g)
     seqs, feats = [], []
@@ -156,9 +174,8 @@ def self_distill(target: torch.nn.Module, data: torch.Tensor, n: int, prompt: in
             out = target(input_ids=nxt, cache=cache, use_cache=True)
             cache, nxt = out.cache, out.logits[:, -1].argmax(-1, keepdim=True)
         s = torch.cat(toks, 1)
-        hs = target(input_ids=s, output_hidden_states=True).hidden_states
         seqs.append(s)
-        feats.append(torch.cat([hs[lid + 1] for lid in layer_ids], -1))
+        feats.append(torch.cat(layer_outputs(target, s, layer_ids), -1))
         print(f"  distilled {i + len(s)}/{n}", flush=True)
     return torch.cat(seqs), torch.cat(feats)
 
@@ -232,7 +249,7 @@ def main() -> None:
     t0 = time.time()
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32, attn_implementation="sdpa").eval()
     tcfg = target.config.to_dict()
-    assert max(layer_ids) < tcfg["num_hidden_layers"] - 1, "last layer's HF hidden state is post-norm"
+    assert max(layer_ids) < tcfg["num_hidden_layers"], f"target_layer_ids must be < {tcfg['num_hidden_layers']}"
     emb, head = target.model.embed_tokens.weight.detach(), target.lm_head.weight.detach()
     tr, tf = self_distill(target, load_split("train"), args.train_seqs, args.prompt, args.gen, layer_ids, args.seed)
     ev, ef = self_distill(target, load_split("heldout"), args.eval_seqs, args.prompt, args.gen, layer_ids, 1)
