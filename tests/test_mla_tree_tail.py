@@ -104,19 +104,70 @@ def check_case(case: dict, with_prefix: bool) -> None:
     assert torch.allclose(got_lse, want_lse, atol=2e-2, rtol=1e-3), float((got_lse - want_lse).abs().max())
 
 
+def fake_flashmla(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+                  head_dim_v: int, tile_scheduler_metadata: object, softmax_scale: float,
+                  causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashMLA's dense decode contract in fp32 (out ``[B, s_q, H, 512]`` in q's dtype, lse ``[B, H, s_q]``, +inf for
+    an empty context), for checking the backend's glue on the CPU."""
+    from vllm_ddtree.mla_tree_tail import mla_context_reference
+
+    assert not causal and head_dim_v == 512 and k_cache.dim() == 4
+    num_reqs, width, heads, _ = q.shape
+    qsl = torch.arange(0, (num_reqs + 1) * width, width, dtype=torch.int32)
+    flat = q.reshape(num_reqs * width, heads, 576)
+    out, lse = mla_context_reference(flat[..., :512], flat[..., 512:], k_cache.squeeze(-2), block_table, cache_seqlens,
+                                     qsl, softmax_scale, width)  # fmt: skip
+    return out.to(q.dtype), lse
+
+
+def check_backend_split(case: dict) -> None:
+    """``DDTreeMLAImpl``'s Hopper decode (rows padded for FlashMLA, context pass, tail merge) with ``fake_flashmla``,
+    vs the fp32 reference of the whole verify."""
+    from vllm.v1.attention.ops import flashmla
+
+    from vllm_ddtree.backends.mla import DDTreeMLADecodeMetadata, DDTreeMLAImpl, padded_query_rows
+    from vllm_ddtree.mla_reference import mla_tree_verify_ref
+
+    flashmla.flash_mla_with_kvcache = fake_flashmla
+    qsl, seq_lens, width = case["query_start_loc"], case["seq_lens"], case["max_query_len"]
+    tokens, heads = case["q_nope"].shape[:2]
+    decode = DDTreeMLADecodeMetadata(
+        block_table=case["block_table"], seq_lens=seq_lens, dcp_tot_seq_lens=None, query_start_loc=qsl,
+        max_query_len=width, causal_token_bits=case["tree_bits"], context_lens=seq_lens - (qsl[1:] - qsl[:-1]),
+        padded_rows=padded_query_rows(qsl, width, tokens, torch.arange(64)), flashmla_sched=object(),
+    )  # fmt: skip
+    impl = object.__new__(DDTreeMLAImpl)
+    impl.scale = case["softmax_scale"]
+    out = torch.full((tokens, heads, 512), float("nan"), dtype=case["q_nope"].dtype)
+    lse = torch.full((tokens, heads), float("nan"))
+    impl._flashmla_context_and_tail(case["q_nope"], case["q_pe"], case["kv_cache"], decode, case["tree_bits"], out, lse)
+    want, want_lse = mla_tree_verify_ref(case["q_nope"], case["q_pe"], case["kv_cache"], case["block_table"], seq_lens,
+                                         qsl, case["tree_bits"], case["softmax_scale"])  # fmt: skip
+    assert (out.float() - want).norm() / want.norm() < 1e-2
+    assert torch.allclose(lse, want_lse, atol=2e-2, rtol=1e-3)
+
+
+def test_padded_query_rows() -> None:
+    from vllm_ddtree.backends.mla import padded_query_rows
+
+    rows = padded_query_rows(torch.tensor([0, 3, 4, 4], dtype=torch.int32), 4, 4, torch.arange(64))
+    assert rows.tolist() == [0, 1, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3]
+
+
 INTERPRETER_CHECK = textwrap.dedent(
     """
-    from test_mla_tree_tail import check_case, random_case
+    from test_mla_tree_tail import check_backend_split, check_case, random_case
 
     for seed in range(3):
         check_case(random_case(seed), with_prefix=True)
         check_case(random_case(seed + 10), with_prefix=False)
+        check_backend_split(random_case(seed + 20, page=64))
     print("ok")
     """
 )
 
 
-def test_tail_with_context_pass_matches_reference_in_interpreter() -> None:
+def test_tail_with_context_pass_and_backend_split_match_reference_in_interpreter() -> None:
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(REPO / "tests"), str(REPO)]))
     proc = subprocess.run([sys.executable, "-c", INTERPRETER_CHECK], env=env, cwd=REPO, capture_output=True,
                           text=True, timeout=900)

@@ -67,6 +67,16 @@ def flashmla_context_enabled(vllm_config: Any, block_size: int) -> bool:
             and cache_dtype in ("auto", "bfloat16") and is_flashmla_dense_supported()[0])  # fmt: skip
 
 
+def padded_query_rows(query_start_loc: torch.Tensor, width: int, num_tokens: int, cols: torch.Tensor) -> torch.Tensor:
+    """``[B * width]`` row indices into the decode queries for FlashMLA's uniform ``[B, width]`` layout: request b's
+    rows, then its last row repeated (q_len-0 padding requests point at an existing row). ``cols`` is
+    ``arange(>= width)``."""
+    qsl = query_start_loc.to(torch.int64)
+    q_lens = qsl[1:] - qsl[:-1]
+    rows = qsl[:-1, None] + torch.minimum(cols[None, :width], (q_lens - 1).clamp(min=0)[:, None])
+    return rows.flatten().clamp(max=max(num_tokens - 1, 0))
+
+
 def causal_token_bits(query_start_loc: list[int], num_tokens: int) -> torch.Tensor:
     """``[num_tokens]`` int64: token t of a request gets the causal word of its index in the request (<= 63)."""
     qsl = torch.tensor(query_start_loc, dtype=torch.int64)
@@ -119,15 +129,12 @@ class DDTreeMLAMetadataBuilder(MLACommonMetadataBuilder[DDTreeMLAMetadata]):
         from vllm.v1.attention.ops.flashmla import get_mla_metadata
 
         num_reqs, width = decode.seq_lens.shape[0], decode.max_query_len
-        qsl = decode.query_start_loc.to(torch.int64)
-        q_lens = qsl[1:] - qsl[:-1]
-        self._context_lens[:num_reqs] = decode.seq_lens - q_lens.to(torch.int32)
-        rows = qsl[:-1, None] + torch.minimum(self._cols[None, :width], (q_lens - 1).clamp(min=0)[:, None])
-        self._padded_rows[: num_reqs * width] = rows.flatten().clamp(max=max(num_decode_tokens - 1, 0))
+        qsl = decode.query_start_loc
+        self._context_lens[:num_reqs] = decode.seq_lens - (qsl[1:] - qsl[:-1]).to(torch.int32)
+        self._padded_rows[: num_reqs * width] = padded_query_rows(qsl, width, num_decode_tokens, self._cols)
         decode.context_lens = self._context_lens[:num_reqs]
         decode.padded_rows = self._padded_rows[: num_reqs * width]
         decode.flashmla_sched = get_mla_metadata()[0]
-
 
 
 class DDTreeMLAImpl(MLACommonImpl[DDTreeMLAMetadata]):
