@@ -173,7 +173,6 @@ class DDTreeMLAImpl(MLACommonImpl[DDTreeMLAMetadata]):
         )  # fmt: skip
         return out, lse
 
-
     def _flashmla_context_and_tail(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                                    decode: DDTreeMLADecodeMetadata, bits: torch.Tensor, out: torch.Tensor,
                                    lse: torch.Tensor) -> None:
