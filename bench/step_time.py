@@ -188,10 +188,12 @@ def main() -> None:
             if proc.returncode:
                 print(f"{method} budget {budget} failed (rc {proc.returncode}):\n{err[-3000:]}", flush=True)
     _write(args, rows)
-    print(f"{'config':10} {'budget':>6} {'ctx':>6} {'batch':>5} {'step ms':>8} {'vs chain':>8}")
+    print(f"{'config':10} {'budget':>6} {'ctx':>6} {'batch':>5} {'step ms':>8} {'vs chain':>8} {'vs V1 chain':>11}")
     for r in rows:
         ratio = f"{r['vs_chain']:.3f}" if r.get("vs_chain") else ""
-        print(f"{r['method']:10} {r['budget']:>6} {r['context']:>6} {r['batch']:>5} {r['step_ms']:>8.3f} {ratio:>8}")
+        ratio_v1 = f"{r['vs_chain_v1']:.3f}" if r.get("vs_chain_v1") else ""
+        print(f"{r['method']:10} {r['budget']:>6} {r['context']:>6} {r['batch']:>5} {r['step_ms']:>8.3f} {ratio:>8} "
+              f"{ratio_v1:>11}")
 
 
 def _write(args: argparse.Namespace, rows: list[dict]) -> None:
