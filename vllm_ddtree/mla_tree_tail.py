@@ -8,7 +8,7 @@ both by log-sum-exp. The context is read once, by FlashMLA, for all tree rows an
 
 One program owns one request and ``BLOCK_M`` (query, head) rows of it (row ``r``: query ``r // H``, head
 ``r % H``), so the request's tree keys are read once per row tile. With at most 64 keys per request the softmax is
-exact in two passes: scores over the 576 latent dims, then the output in 128-wide chunks of the 512 value dims.
+exact in two passes: scores over the 576 latent dims, then the output in 64-wide slices of the 512 value dims.
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ KV_LORA_RANK = 512
 ROPE_DIM = 64
 MAX_TREE = 64
 _LOG2E = 1.4426950408889634
+# Launch shape: 64 (query, head) rows per program, latent dims in 64-wide slices, 8 warps. Chosen so that no
+# target spills registers (checked ahead of time for sm_80/90/120 by tests/test_triton_aot.py).
+BLOCK_M, CHUNK, NUM_WARPS = 64, 64, 8
 
 
 @triton.jit
@@ -55,7 +58,7 @@ def _mla_tree_tail_kernel(q_nope_ptr, q_pe_ptr, kv_ptr, bt_ptr, seq_lens_ptr, qs
     # Scores over the 512 latent dims (in CHUNK-wide slices) plus the 64 rope dims, in log2 units.
     c = tl.arange(0, CHUNK)
     s = tl.zeros([BLOCK_M, 64], tl.float32)
-    for c0 in tl.static_range(0, 512, CHUNK):
+    for c0 in range(0, 512, CHUNK):
         q = tl.load(q_nope_ptr + token[:, None] * s_qn_t + head[:, None] * s_qn_h + c0 + c[None, :],
                     mask=row_ok[:, None], other=0.0)
         k = tl.load(k_row[:, None] + c0 + c[None, :], mask=k_ok[:, None], other=0.0)
@@ -71,7 +74,9 @@ def _mla_tree_tail_kernel(q_nope_ptr, q_pe_ptr, kv_ptr, bt_ptr, seq_lens_ptr, qs
         q_pe, k_pe = q_pe.to(tl.float32), k_pe.to(tl.float32)
     s = (s + tl.dot(q_pe, tl.trans(k_pe))) * qk_scale
     bits = tl.load(bits_ptr + token, mask=row_ok, other=0)
-    visible = (((bits[:, None] >> j[None, :].to(tl.int64)) & 1) != 0) & k_ok[None, :]
+    low, high = bits.to(tl.int32), (bits >> 32).to(tl.int32)  # 32-bit halves keep the [rows, keys] test narrow
+    word = tl.where(j[None, :] < 32, low[:, None], high[:, None])
+    visible = (((word >> (j[None, :] % 32)) & 1) != 0) & k_ok[None, :]
     s = tl.where(visible, s, float("-inf"))
 
     m = tl.max(s, axis=1)
@@ -94,7 +99,7 @@ def _mla_tree_tail_kernel(q_nope_ptr, q_pe_ptr, kv_ptr, bt_ptr, seq_lens_ptr, qs
     p = p.to(p_dtype)  # round P like the cache dtype, as tensor-core attention does
     if F32_DOT:
         p = p.to(tl.float32)
-    for c0 in tl.static_range(0, 512, CHUNK):
+    for c0 in range(0, 512, CHUNK):
         v = tl.load(k_row[:, None] + c0 + c[None, :], mask=k_ok[:, None], other=0.0)
         if F32_DOT:
             v = v.to(tl.float32)
@@ -127,8 +132,7 @@ def mla_tree_tail(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tens
         raise ValueError("prefix_out and prefix_lse go together")
     po = prefix_out if has_prefix else out
     pl = prefix_lse if has_prefix else lse
-    block_m = 64
-    grid = (num_reqs, triton.cdiv(max_query_len * num_heads, block_m))
+    grid = (num_reqs, triton.cdiv(max_query_len * num_heads, BLOCK_M))
     _mla_tree_tail_kernel[grid](
         q_nope, q_pe, kv_cache, block_table, seq_lens, query_start_loc, tree_bits, po, pl, out, lse,
         softmax_scale * _LOG2E, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
@@ -136,8 +140,8 @@ def mla_tree_tail(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tens
         po.stride(0) if has_prefix else 0, po.stride(1) if has_prefix else 0, po.stride(2) if has_prefix else 0,
         pl.stride(0) if has_prefix else 0, pl.stride(1) if has_prefix else 0, pl.stride(2) if has_prefix else 0,
         out.stride(0), out.stride(1), lse.stride(0),
-        NUM_HEADS=num_heads, PAGE=kv_cache.shape[1], BLOCK_M=block_m, CHUNK=128, HAS_PREFIX=has_prefix,
-        F32_DOT=os.environ.get("TRITON_INTERPRET") == "1", num_warps=4,
+        NUM_HEADS=num_heads, PAGE=kv_cache.shape[1], BLOCK_M=BLOCK_M, CHUNK=CHUNK, HAS_PREFIX=has_prefix,
+        F32_DOT=os.environ.get("TRITON_INTERPRET") == "1", num_warps=NUM_WARPS,
     )  # fmt: skip
 
 
