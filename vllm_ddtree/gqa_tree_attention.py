@@ -309,6 +309,9 @@ def gqa_tree_attention(
     num_stages = 1 if query.dtype == torch.float32 else (2 if wide else 3)
     num_q_tiles = num_rows // block_q + num_reqs
     big_tile = block_m * head_d >= 128 * 128
+    # 8 warps from 64 x 128 tiles up: with 4, the row-gathered K/V addresses push the Hopper build into spills
+    # (tests/test_triton_aot.py compiles these shapes ahead of time).
+    num_warps = 8 if block_m * head_d >= 64 * 128 else 4
     has_prefix = prefix_out is not None
     if has_prefix != (prefix_lse is not None):
         raise ValueError("prefix_out and prefix_lse go together")
@@ -336,7 +339,7 @@ def gqa_tree_attention(
         prefix_lse.stride(0) if has_prefix else 0,
         NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_D=head_d, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_R=triton.next_power_of_2(num_reqs), PAGE=page, NUM_SPLITS=num_splits, DOT_PREC=dot_prec,
-        F32_DOT=f32_dot, HAS_PREFIX=has_prefix, num_warps=8 if big_tile else 4, num_stages=num_stages,
+        F32_DOT=f32_dot, HAS_PREFIX=has_prefix, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
         block_h = min(16, triton.next_power_of_2(num_q_heads))
