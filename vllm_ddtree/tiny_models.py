@@ -47,11 +47,11 @@ def _qwen3_keys(num_layers: int, hidden: int) -> dict:
     }
 
 
-def _rand(gen: torch.Generator, scale: float = 1.0) -> Callable[..., torch.Tensor]:
-    """Seeded Gaussian weights scaled by ``scale / sqrt(fan_in)``."""
+def _rand(gen: torch.Generator) -> Callable[..., torch.Tensor]:
+    """Seeded Gaussian weights scaled by ``1 / sqrt(fan_in)``."""
 
     def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) * scale / shape[-1] ** 0.5
+        return torch.randn(*shape, generator=gen) / shape[-1] ** 0.5
 
     return rand
 
@@ -77,13 +77,17 @@ def _mlp_and_norms(prefix: str, rand: Callable[..., torch.Tensor]) -> dict[str, 
     }
 
 
-def _layer_weights(prefix: str, gen: torch.Generator, scale: float) -> dict[str, torch.Tensor]:
-    rand = _rand(gen, scale)
-    return {**_qwen3_attention(prefix, rand), **_mlp_and_norms(prefix, rand)}
+# Writes one layer's attention weights under a name prefix, drawing them from a ``_rand`` generator.
+AttentionWeights = Callable[[str, Callable[..., torch.Tensor]], dict[str, torch.Tensor]]
 
 
-def _write_peaky_target(path: Path, seed: int, hot_tokens: int, config: dict,
-                        attention: Callable[[str, Callable[..., torch.Tensor]], dict[str, torch.Tensor]]) -> Path:
+def _layer_weights(prefix: str, rand: Callable[..., torch.Tensor],
+                   attention: AttentionWeights = _qwen3_attention) -> dict[str, torch.Tensor]:
+    """One decoder layer: ``attention``'s projections (Qwen3 GQA by default), then the MLP and norms."""
+    return {**attention(prefix, rand), **_mlp_and_norms(prefix, rand)}
+
+
+def _write_peaky_target(path: Path, seed: int, hot_tokens: int, config: dict, attention: AttentionWeights) -> Path:
     """A TARGET_LAYERS-layer target with peaky logits: lm_head scale 8 over unit-RMS hidden states, and the
     output rows of ``hot_tokens`` ids (2..hot_tokens+1) 3x larger."""
     path.mkdir(parents=True, exist_ok=True)
@@ -91,8 +95,7 @@ def _write_peaky_target(path: Path, seed: int, hot_tokens: int, config: dict,
     rand = _rand(gen)
     weights = {"model.embed_tokens.weight": torch.randn(VOCAB, HIDDEN, generator=gen)}
     for i in range(TARGET_LAYERS):
-        prefix = f"model.layers.{i}."
-        weights.update({**attention(prefix, rand), **_mlp_and_norms(prefix, rand)})
+        weights.update(_layer_weights(f"model.layers.{i}.", rand, attention))
     weights["model.norm.weight"] = torch.ones(HIDDEN)
     weights["lm_head.weight"] = torch.randn(VOCAB, HIDDEN, generator=gen) * 8.0 / HIDDEN**0.5
     weights["lm_head.weight"][2 : 2 + hot_tokens] *= 3.0
@@ -154,7 +157,7 @@ def write_dflash_drafter(
     """A 1-layer DFlashDraftModel that vLLM 0.26's qwen3_dflash loader reads (embed/lm_head shared with the target)."""
     path.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
-    weights = _layer_weights("layers.0.", gen, scale=1.0)
+    weights = _layer_weights("layers.0.", _rand(gen))
     weights["fc.weight"] = torch.randn(HIDDEN, HIDDEN * len(target_layer_ids), generator=gen) / HIDDEN**0.5
     weights["hidden_norm.weight"] = torch.ones(HIDDEN)
     weights["norm.weight"] = torch.ones(HIDDEN)
