@@ -21,10 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from child_rows import result_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 PAIRS = {"gqa": ("stdlib-qwen3-tiny", "stdlib-qwen3-tiny-dflash"), "mla": ("stdlib-mla-tiny", "stdlib-mla-tiny-dflash")}
@@ -140,14 +141,9 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--one", pair, method, str(budget), "--prompts", str(args.prompts),
                    "--max-tokens", str(args.max_tokens), "--batches", *map(str, args.batches)]  # fmt: skip
             env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1")
-            with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as proc:
-                for line in proc.stdout:
-                    if line.startswith("RESULT "):
-                        rows.append(json.loads(line[7:]))
-                        _write(args, rows)
-                err = proc.stderr.read()
-            if proc.returncode:
-                print(f"{pair} {method} {budget} failed (rc {proc.returncode}):\n{err[-3000:]}", flush=True)
+            for row in result_rows(cmd, f"{pair} {method} {budget}", env):
+                rows.append(row)
+                _write(args, rows)
     table = _write(args, rows)
     print(f"{'pair':4} {'config':7} {'budget':>6} {'batch':>5} {'accept len':>10} {'tok/s':>9} {'vs chain':>8} "
           f"{'vs none':>7} {'== target':>9}")  # fmt: skip

@@ -23,12 +23,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from itertools import pairwise
 from pathlib import Path
+
+from child_rows import result_rows
 
 DRAFT_LAYERS = 2
 DRAFT_BLOCK = 16
@@ -177,16 +178,10 @@ def main() -> None:
                    *map(str, args.contexts), "--batches", *map(str, args.batches)]  # fmt: skip
             if args.profile:
                 cmd += ["--profile", args.profile]
-            # Stream the child's results: a run cut short still leaves every finished row on disk and on screen.
-            with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
-                for line in proc.stdout:
-                    if line.startswith("RESULT "):
-                        rows.append(json.loads(line[7:]))
-                        print(line.strip(), flush=True)
-                        _write(args, rows)
-                err = proc.stderr.read()
-            if proc.returncode:
-                print(f"{method} budget {budget} failed (rc {proc.returncode}):\n{err[-3000:]}", flush=True)
+            for row in result_rows(cmd, f"{method} budget {budget}"):
+                rows.append(row)
+                print("RESULT " + json.dumps(row), flush=True)
+                _write(args, rows)
     _write(args, rows)
     print(f"{'config':10} {'budget':>6} {'ctx':>6} {'batch':>5} {'step ms':>8} {'vs chain':>8} {'vs V1 chain':>11}")
     for r in rows:
