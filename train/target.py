@@ -1,12 +1,12 @@
 """Train a tiny target on the stdlib's train split, plain next-token CE: the GQA one (4-layer Qwen3ForCausalLM) or,
-with ``--arch deepseek_v3``, the MLA one (3-layer DeepseekV3ForCausalLM with the real MLA latent dims, dense MLPs).
+with ``--arch deepseek_v3``, the MLA one (2-layer DeepseekV3ForCausalLM with the real MLA latent dims, dense MLPs).
 
 Why: the embedded DDTree demo needs a real (trained) target so the drafter has something predictable to learn.
 Deterministic: fixed seeds, fixed window sampling, single-process CPU (torch.set_num_threads(2)).
 
     python train/tokenizer.py --out models/stdlib-qwen3-tiny
     python train/target.py --out models/stdlib-qwen3-tiny --steps 600
-    python train/target.py --arch deepseek_v3 --out models/stdlib-mla-tiny --steps 500 --batch 8
+    python train/target.py --arch deepseek_v3 --out models/stdlib-mla-tiny --steps 800 --batch 16
     (then copy the tokenizer files of models/stdlib-qwen3-tiny next to it: both targets share the tokenizer)
 """
 

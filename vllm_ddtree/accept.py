@@ -195,8 +195,8 @@ def walk_verify_batch(
     ``picks[row]`` is the target's choice at the node and ``inputs[row]`` (``i >= 1``) the node's draft token. Its
     tree is row ``tree_rows[b]`` of the persistent ``parents`` / ``anc_bits`` ``[R, W]`` and ``num_nodes`` ``[R]``
     (``W <= 64``; -1, a padded batch row, reads the last buffer row); nodes beyond the request's verified rows are
-    not real. Returns the paths and ``num_sampled``
-    ``[B]`` int32 (accepted + bonus). Triton on CUDA (and under the Triton interpreter); static shapes, no sync.
+    not real. Returns the paths and ``num_sampled`` ``[B]`` int32 (accepted + bonus). Triton on CUDA (and under the
+    Triton interpreter), else ``walk_verify_batch_torch``; static shapes, no sync.
     """
     batch, width = tree_rows.shape[0], parents.shape[1]
     device = picks.device
