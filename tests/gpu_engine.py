@@ -31,6 +31,17 @@ def generate(llm, batch_prompts: list[dict], batch: int, **params) -> list[list[
     return out
 
 
+def generate_once(model: str, batch_prompts: list[dict], batch: int, engine: dict, **params) -> list[list[int]]:
+    """``generate`` on a fresh engine that is freed before returning (in-process engines must not overlap)."""
+    from vllm import LLM
+
+    llm = LLM(model=model, **engine)
+    out = generate(llm, batch_prompts, batch, **params)
+    del llm
+    free()
+    return out
+
+
 def runner(llm):
     return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
 

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
-from gpu_engine import MAX_TOKENS, ReplayCounter, free, generate, in_process, prompts, runner
+from gpu_engine import MAX_TOKENS, ReplayCounter, free, generate, generate_once, in_process, prompts, runner
 
 pytestmark = pytest.mark.gpu
 
@@ -35,13 +35,7 @@ def tiny_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def reference(tiny_pair) -> list[list[int]]:
-    from vllm import LLM
-
-    llm = LLM(model=str(tiny_pair[0]), **ENGINE)
-    out = generate(llm, prompts(), batch=8)
-    del llm
-    free()
-    return out
+    return generate_once(str(tiny_pair[0]), prompts(), 8, ENGINE)
 
 
 @pytest.mark.parametrize("budget", [1, 7, 31])
@@ -87,19 +81,11 @@ def test_sampling_and_chain_features_finish(tiny_pair) -> None:
 def test_seeded_sampling_matches_the_target_token_for_token(tiny_pair) -> None:
     """vLLM V2 keys each sampled token's Gumbel noise by (request seed, position); the tree sampler draws every node
     at its own position, so a seeded ddtree request should sample exactly what the seeded target samples."""
-    from vllm import LLM
-
     batch_prompts = prompts(16)
     sampling = dict(temperature=0.8, top_p=0.95, seed=7)
-    llm = LLM(model=str(tiny_pair[0]), **ENGINE)
-    want = generate(llm, batch_prompts, batch=8, **sampling)
-    del llm
-    free()
+    want = generate_once(str(tiny_pair[0]), batch_prompts, 8, ENGINE, **sampling)
     spec = {"method": "ddtree", "model": str(tiny_pair[1]), "num_speculative_tokens": 15}
-    llm = LLM(model=str(tiny_pair[0]), speculative_config=spec, **ENGINE)
-    got = generate(llm, batch_prompts, batch=8, **sampling)
-    del llm
-    free()
+    got = generate_once(str(tiny_pair[0]), batch_prompts, 8, dict(ENGINE, speculative_config=spec), **sampling)
     assert got == want
 
 
@@ -107,20 +93,12 @@ def test_bf16_greedy_matches_target_up_to_near_ties(tiny_pair) -> None:
     """bf16 end to end (FlashAttention context + tree tail in the verify): the target's own bf16 greedy output runs
     FlashAttention over one row at a time, so rare near-ties may flip late in a sequence; require >= 90% of 50
     sequences identical and every sequence identical for its first 8 tokens."""
-    from vllm import LLM
-
     engine = dict(ENGINE, dtype="bfloat16")
     batch_prompts = prompts()
-    llm = LLM(model=str(tiny_pair[0]), **engine)
-    want = generate(llm, batch_prompts, batch=8)
-    del llm
-    free()
+    want = generate_once(str(tiny_pair[0]), batch_prompts, 8, engine)
     spec = {"method": "ddtree", "model": str(tiny_pair[1]), "num_speculative_tokens": 15}
-    llm = LLM(model=str(tiny_pair[0]), speculative_config=spec, **engine)
-    got = generate(llm, batch_prompts, batch=8)
+    got = generate_once(str(tiny_pair[0]), batch_prompts, 8, dict(engine, speculative_config=spec))
     same = sum(a == b for a, b in zip(got, want, strict=True))
     print(f"bf16: {same}/{len(want)} sequences identical")
     assert same >= 0.9 * len(want)
     assert all(a[:8] == b[:8] for a, b in zip(got, want, strict=True))
-    del llm
-    free()

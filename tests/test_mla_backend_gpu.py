@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from gpu_engine import MAX_TOKENS, ReplayCounter, free, generate, in_process, prompts, runner
+from gpu_engine import MAX_TOKENS, ReplayCounter, free, generate, generate_once, in_process, prompts, runner
 
 pytestmark = pytest.mark.gpu
 
@@ -38,14 +38,8 @@ def mla_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return tiny_models.write_mla_target(root / "target"), tiny_models.write_dflash_drafter(root / "drafter")
 
 
-def _greedy(target: Path, batch: int = 8, **engine) -> list[list[int]]:
-    from vllm import LLM
-
-    llm = LLM(model=str(target), **{**ENGINE, **engine})
-    out = generate(llm, prompts(), batch=batch)
-    del llm
-    free()
-    return out
+def _greedy(target: Path, **engine) -> list[list[int]]:
+    return generate_once(str(target), prompts(), 8, {**ENGINE, **engine})
 
 
 def _identical(a: list[list[int]], b: list[list[int]]) -> int:
