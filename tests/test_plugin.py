@@ -52,3 +52,30 @@ def test_other_vllm_versions_are_refused_with_one_error(monkeypatch: pytest.Monk
     assert len(errors) == 1
     assert "supports vLLM 0.26.0 only, but vLLM 0.27.0 is installed" in errors[0].getMessage()
     assert applied == []
+
+
+@pytest.mark.parametrize(("seams", "runner_module"), [("v1", "vllm.v1.worker.gpu_model_runner"),
+                                                      ("v2", "vllm.v1.worker.gpu.model_runner")])  # fmt: skip
+def test_a_new_runner_never_reads_a_predecessors_tree_masks(seams: str, runner_module: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engines built one after another in one process (notebooks, tests): building any model runner first clears the
+    installed tree masks, so a plain engine after a ddtree engine never applies that engine's stale tree words."""
+    import importlib
+    from types import SimpleNamespace
+
+    import torch
+
+    from vllm_ddtree.backends.tree_mask import TreeMaskBuffers, current_tree_masks, install_tree_masks
+
+    runner_cls = importlib.import_module(runner_module).GPUModelRunner
+    seen: list[object] = []
+
+    def record(self: object, *args: object, **kwargs: object) -> None:
+        seen.append(current_tree_masks())
+
+    monkeypatch.setattr(runner_cls, "_orig___init__", record, raising=False)  # V2 seams are patched on GPUs only
+    install_tree_masks(TreeMaskBuffers(2, 4, torch.device("cpu"), 8))
+    patched_init = importlib.import_module(f"vllm_ddtree.patches.{seams}")._runner_init
+    patched_init(object.__new__(runner_cls), SimpleNamespace(speculative_config=None), torch.device("cpu"))
+    assert seen == [None]
+    assert current_tree_masks() is None

@@ -1,7 +1,8 @@
 """Model Runner V1 seams (vLLM-CPU only; GPUs run DDTree on Model Runner V2).
 
 * ``GPUModelRunner.__init__``: build ``DDTreeProposer`` where vLLM builds its ``DFlashProposer`` (the module global
-  is swapped only during construction, so vLLM's ``isinstance(drafter, DFlashProposer)`` checks keep working).
+  is swapped only during construction, so vLLM's ``isinstance(drafter, DFlashProposer)`` checks keep working),
+  after clearing the process's tree masks (an engine built after a ddtree engine must not read its stale words).
 * ``GPUModelRunner._prepare_inputs``: after vLLM computed slot mappings from linear positions, rewrite the tree
   rows' RoPE positions to ``base + depth`` in place and fill the batch-ordered ancestor masks.
 ``CPUModelRunner`` subclasses ``GPUModelRunner``, so it inherits both.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm_ddtree.backends.tree_mask import install_tree_masks
 from vllm_ddtree.config import get_ddtree_config
 from vllm_ddtree.patches import patch_attr
 from vllm_ddtree.tree_state import needs_chain
@@ -21,6 +23,7 @@ def _runner_init(self: Any, vllm_config: Any, device: Any, *args: Any, **kwargs:
 
     from vllm_ddtree.speculator import DDTreeProposer
 
+    install_tree_masks(None)  # a ddtree runner installs its own; no other engine may read a predecessor's
     orig = gpu_model_runner.GPUModelRunner._orig___init__
     if get_ddtree_config(vllm_config) is None:
         orig(self, vllm_config, device, *args, **kwargs)

@@ -1,5 +1,7 @@
 """Model Runner V2 seams (GPUs), installed in every process; each is a no-op unless the config asks for ddtree.
 
+* ``GPUModelRunner.__init__``: clear the process's tree masks first, so an engine built after a ddtree engine in the
+  same process (notebooks, tests) never reads that engine's stale words; a ddtree speculator installs its own.
 * ``model_runner.init_speculator`` (the module global the runner calls): ``DDTreeSpeculator`` instead of DFlash's.
 * ``DefaultModelState.custom_sampler``: vLLM's own hook for the rejection sampler; returns ``DDTreeRejectionSampler``.
 * ``GPUModelRunner.initialize_kv_cache``: afterwards, bind the tree sampler to the block tables and KV caches.
@@ -15,6 +17,15 @@ from typing import Any
 
 from vllm_ddtree.config import get_ddtree_config
 from vllm_ddtree.patches import patch_attr
+
+
+def _runner_init(self: Any, *args: Any, **kwargs: Any) -> None:
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    from vllm_ddtree.backends.tree_mask import install_tree_masks
+
+    install_tree_masks(None)
+    GPUModelRunner._orig___init__(self, *args, **kwargs)
 
 
 def _init_speculator(vllm_config: Any, device: Any) -> Any:
@@ -86,6 +97,7 @@ def apply() -> None:
     from vllm.v1.worker.gpu import model_runner
     from vllm.v1.worker.gpu.model_states.default import DefaultModelState
 
+    patch_attr(model_runner.GPUModelRunner, "__init__", _runner_init)
     patch_attr(model_runner, "init_speculator", _init_speculator)
     patch_attr(DefaultModelState, "custom_sampler", _custom_sampler)
     patch_attr(model_runner.GPUModelRunner, "initialize_kv_cache", _initialize_kv_cache)
