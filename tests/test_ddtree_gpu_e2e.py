@@ -7,7 +7,18 @@ import os
 from pathlib import Path
 
 import pytest
-from gpu_engine import MAX_TOKENS, ReplayCounter, free, generate, generate_once, in_process, prompts, runner
+from gpu_engine import (
+    MAX_TOKENS,
+    ReplayCounter,
+    assert_equal_up_to_near_ties,
+    free,
+    generate,
+    generate_once,
+    generate_with_margins,
+    in_process,
+    prompts,
+    runner,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -91,14 +102,16 @@ def test_seeded_sampling_matches_the_target_token_for_token(tiny_pair) -> None:
 
 def test_bf16_greedy_matches_target_up_to_near_ties(tiny_pair) -> None:
     """bf16 end to end (FlashAttention context + tree tail in the verify): the target's own bf16 greedy output runs
-    FlashAttention over one row at a time, so rare near-ties may flip late in a sequence; require >= 90% of 50
-    sequences identical and every sequence identical for its first 8 tokens."""
+    FlashAttention over one row at a time, so a sequence may leave it only where the target itself was at a bf16
+    near-tie."""
+    from vllm import LLM
+
     engine = dict(ENGINE, dtype="bfloat16")
     batch_prompts = prompts()
-    want = generate_once(str(tiny_pair[0]), batch_prompts, 8, engine)
+    llm = LLM(model=str(tiny_pair[0]), **engine)
+    want, margins = generate_with_margins(llm, batch_prompts, 8)
+    del llm
+    free()
     spec = {"method": "ddtree", "model": str(tiny_pair[1]), "num_speculative_tokens": 15}
     got = generate_once(str(tiny_pair[0]), batch_prompts, 8, dict(engine, speculative_config=spec))
-    same = sum(a == b for a, b in zip(got, want, strict=True))
-    print(f"bf16: {same}/{len(want)} sequences identical")
-    assert same >= 0.9 * len(want)
-    assert all(a[:8] == b[:8] for a, b in zip(got, want, strict=True))
+    assert_equal_up_to_near_ties("bf16 ddtree budget 15", got, want, margins)

@@ -2,10 +2,10 @@
 against vLLM's FLASHMLA, and ddtree end to end on a tiny DeepSeek-V3 target with the real latent dims (kv_lora_rank
 512, rope 64) with bf16 and fp8 KV caches. Run with ``pytest -m gpu``.
 
-The MLA verify kernel computes in bf16/fp8 only, so "greedy output == the target's" is checked against the target's
-own greedy output on the same backend and cache dtype, where only rare bf16 near-ties between a one-token decode and
-a tree verify (different GEMM shapes) can flip a token: >= 90 % of sequences identical, all of them for 8 tokens;
-each test prints the exact count.
+The MLA kernels compute in bf16/fp8 only, so "greedy output == the target's" is checked against the target's own
+greedy output on the same backend and cache dtype, with its per-position log-prob gaps: a sequence may leave the
+reference only where the reference itself was at a bf16 near-tie (a one-token decode and a tree verify accumulate
+in different orders); each test prints what it saw.
 """
 
 from __future__ import annotations
@@ -14,7 +14,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from gpu_engine import MAX_TOKENS, ReplayCounter, free, generate, generate_once, in_process, prompts, runner
+from gpu_engine import (
+    MAX_TOKENS,
+    ReplayCounter,
+    assert_equal_up_to_near_ties,
+    free,
+    generate,
+    generate_with_margins,
+    in_process,
+    prompts,
+    runner,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -38,28 +48,28 @@ def mla_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return tiny_models.write_mla_target(root / "target"), tiny_models.write_dflash_drafter(root / "drafter")
 
 
-def _greedy(target: Path, **engine) -> list[list[int]]:
-    return generate_once(str(target), prompts(), 8, {**ENGINE, **engine})
+def _greedy(target: Path, **engine) -> tuple[list[list[int]], list[list[float]]]:
+    """The target's greedy output on a fresh engine, with the log-prob gap of each chosen token to the runner-up."""
+    from vllm import LLM
+
+    llm = LLM(model=str(target), **{**ENGINE, **engine})
+    result = generate_with_margins(llm, prompts(), 8)
+    del llm
+    free()
+    return result
 
 
 def _identical(a: list[list[int]], b: list[list[int]]) -> int:
     return sum(x == y for x, y in zip(a, b, strict=True))
 
 
-def _mostly_equal(label: str, got: list[list[int]], want: list[list[int]]) -> None:
-    same = _identical(got, want)
-    print(f"{label}: {same}/{len(want)} sequences identical")
-    assert same >= 0.9 * len(want)
-    assert all(a[:8] == b[:8] for a, b in zip(got, want, strict=True))
-
-
 @pytest.fixture(scope="module")
-def custom_reference(mla_pair) -> Callable[[str, str], list[list[int]]]:
+def custom_reference(mla_pair) -> Callable[[str, str], tuple[list[list[int]], list[list[float]]]]:
     """The target's own greedy output on the DDTree MLA backend, per KV-cache dtype and context kernel (computed once
     each): the reference a ddtree run is compared with uses the same attention kernels."""
-    cache: dict[tuple[str, str], list[list[int]]] = {}
+    cache: dict[tuple[str, str], tuple[list[list[int]], list[list[float]]]] = {}
 
-    def reference(kv_cache_dtype: str, context: str) -> list[list[int]]:
+    def reference(kv_cache_dtype: str, context: str) -> tuple[list[list[int]], list[list[float]]]:
         if (kv_cache_dtype, context) not in cache:
             with pytest.MonkeyPatch.context() as patch:
                 patch.setenv("DDTREE_MLA_CONTEXT", context)
@@ -70,19 +80,15 @@ def custom_reference(mla_pair) -> Callable[[str, str], list[list[int]]]:
     return reference
 
 
-def test_custom_backend_alone_matches_flashmla_as_closely_as_vllms_own_backends(mla_pair, custom_reference) -> None:
-    """Without speculation our backend is a plain MLA decode backend. Against FLASHMLA's greedy output it must agree
-    at least as often as vLLM's other MLA backend (TRITON_MLA) does: the tiny bf16 target has near-ties that any
-    two kernels resolve differently (seen on the H200: TRITON_MLA 29/50, ours 40/50 identical to FLASHMLA)."""
-    flash = _greedy(mla_pair[0], attention_backend="FLASHMLA")
-    triton = _greedy(mla_pair[0], attention_backend="TRITON_MLA")
-    ours_split, ours_own = custom_reference("auto", "flashmla"), custom_reference("auto", "ddtree")
-    ours, theirs = _identical(ours_split, flash), _identical(triton, flash)
-    own = _identical(ours_own, flash)
-    print(f"identical to FLASHMLA: CUSTOM (FlashMLA context + tail) {ours}/50, CUSTOM (our kernel) {own}/50, "
-          f"TRITON_MLA {theirs}/50")
-    assert min(ours, own) >= theirs
-    assert all(a[:2] == b[:2] for a, b in zip(ours_own, flash, strict=True))
+def test_custom_backend_alone_matches_flashmla_up_to_near_ties(mla_pair, custom_reference) -> None:
+    """Without speculation our backend is a plain MLA decode backend: with either context kernel its greedy output
+    leaves FLASHMLA's only where FLASHMLA was at a bf16 near-tie (TRITON_MLA's agreement is printed for scale)."""
+    flash, margins = _greedy(mla_pair[0], attention_backend="FLASHMLA")
+    triton, _ = _greedy(mla_pair[0], attention_backend="TRITON_MLA")
+    print(f"TRITON_MLA vs FLASHMLA: {_identical(triton, flash)}/50 identical")
+    own, split = custom_reference("auto", "ddtree")[0], custom_reference("auto", "flashmla")[0]
+    assert_equal_up_to_near_ties("CUSTOM (our kernel) vs FLASHMLA", own, flash, margins)
+    assert_equal_up_to_near_ties("CUSTOM (FlashMLA context + tail) vs FLASHMLA", split, flash, margins)
 
 
 @pytest.mark.parametrize(("budget", "kv_cache_dtype", "context"),
@@ -97,7 +103,7 @@ def test_ddtree_mla_matches_target_and_replays_full_graphs(mla_pair, custom_refe
     from vllm_ddtree.backends.mla import DDTreeMLABackend
     from vllm_ddtree.speculator import DDTreeSpeculator
 
-    want = custom_reference(kv_cache_dtype, context)  # before this test's engine: one engine at a time
+    want, margins = custom_reference(kv_cache_dtype, context)  # before this test's engine: one engine at a time
     monkeypatch.setenv("DDTREE_MLA_CONTEXT", context)
     spec = {"method": "ddtree", "model": str(mla_pair[1]), "num_speculative_tokens": budget}
     llm = LLM(model=str(mla_pair[0]), speculative_config=spec, kv_cache_dtype=kv_cache_dtype, **ENGINE)
@@ -107,9 +113,9 @@ def test_ddtree_mla_matches_target_and_replays_full_graphs(mla_pair, custom_refe
     verify = ReplayCounter(model_runner.cudagraph_manager)
     draft = ReplayCounter(model_runner.speculator.query_cudagraph_manager)
     label = f"ddtree budget {budget} kv {kv_cache_dtype} context {context}"
-    _mostly_equal(f"{label} batch 8", generate(llm, prompts(), batch=8), want)
+    assert_equal_up_to_near_ties(f"{label} batch 8", generate(llm, prompts(), batch=8), want, margins)
     assert verify.count > 0 and draft.count > 0, (verify.count, draft.count)
-    _mostly_equal(f"{label} batch 1", generate(llm, prompts()[:10], batch=1), want[:10])
+    assert_equal_up_to_near_ties(f"{label} batch 1", generate(llm, prompts()[:10], batch=1), want[:10], margins[:10])
     metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
     assert metrics["vllm:spec_decode_num_draft_tokens"] > 0
     if budget == 7 and kv_cache_dtype == "auto":
