@@ -7,9 +7,6 @@ import os
 import random
 
 MAX_TOKENS = 32
-NEAR_TIE = 1.0
-"""Log-prob gap (nats) under which two bf16 runs may legitimately pick different tokens: the tiny targets' logits
-reach ~50, where one bf16 step is 0.25, and two attention kernels accumulate in different orders."""
 
 
 def in_process() -> None:
@@ -38,36 +35,27 @@ def generate_with_margins(llm, batch_prompts: list[dict], batch: int) -> tuple[l
     """Greedy tokens and, per position, the log-prob gap between the chosen token and the runner-up."""
     from vllm import SamplingParams
 
+    from vllm_ddtree.greedy_equality import top2_gaps
+
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
     tokens: list[list[int]] = []
-    margins: list[list[float]] = []
+    gaps: list[list[float]] = []
     for i in range(0, len(batch_prompts), batch):
         for out in llm.generate(batch_prompts[i : i + batch], sp, use_tqdm=False):
             tokens.append(list(out.outputs[0].token_ids))
-            gaps = []
-            for position in out.outputs[0].logprobs:
-                best = sorted((lp.logprob for lp in position.values()), reverse=True)
-                gaps.append(best[0] - best[1] if len(best) > 1 else float("inf"))
-            margins.append(gaps)
-    return tokens, margins
+            gaps.append(top2_gaps(out.outputs[0].logprobs))
+    return tokens, gaps
 
 
 def assert_equal_up_to_near_ties(label: str, got: list[list[int]], want: list[list[int]],
-                                 margins: list[list[float]]) -> None:
-    """bf16 losslessness: each sequence equals the reference until the reference itself was at a near-tie (its top
-    two tokens within ``NEAR_TIE``); a divergence anywhere else is a real difference. Prints what it saw."""
-    same, flips, bad = 0, [], []
-    for i, (g, w, m) in enumerate(zip(got, want, margins, strict=True)):
-        first = next((k for k, (a, b) in enumerate(zip(g, w, strict=True)) if a != b), None)
-        if first is None:
-            same += 1
-        elif m[first] < NEAR_TIE:
-            flips.append(round(m[first], 3))
-        else:
-            bad.append((i, first, round(m[first], 3)))
-    print(f"{label}: {same}/{len(want)} identical; {len(flips)} diverge at reference near-ties (gaps {sorted(flips)}); "
-          f"{len(bad)} elsewhere {bad}")
-    assert not bad, f"{label}: sequences diverge where the reference had a clear winner (seq, position, gap): {bad}"
+                                 gaps: list[list[float]]) -> None:
+    """bf16 losslessness (``vllm_ddtree.greedy_equality``); prints what it saw."""
+    from vllm_ddtree.greedy_equality import compare_greedy
+
+    seen = compare_greedy(got, want, gaps)
+    print(f"{label}: {seen.identical}/{len(want)} identical; {len(seen.near_tie_gaps)} diverge at reference near-ties "
+          f"(gaps {sorted(seen.near_tie_gaps)}); {len(seen.clear_divergences)} elsewhere {seen.clear_divergences}")
+    assert seen.lossless, f"{label}: diverged where the reference had a clear winner: {seen.clear_divergences}"
 
 
 def generate_once(model: str, batch_prompts: list[dict], batch: int, engine: dict, **params) -> list[list[int]]:
