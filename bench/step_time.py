@@ -5,7 +5,9 @@ the time per decode step is what is compared: verify + sample + draft, at the sa
 Each configuration runs in its own process. For every (context, batch) it prefills once (prefix-cached, warming
 every graph), then runs ``generate`` with 1 + N output tokens ``--repeats`` times while a wrapper on the model
 runner's ``execute_model`` records when each step starts; the step time is the median interval between steady
-decode steps (pipelined like serving: async scheduling on V2). Decode steps replay FULL CUDA graphs.
+decode steps (pipelined like serving: async scheduling on V2). Decode steps replay FULL CUDA graphs; each row
+reports how many timed steps ran and how many verify and drafter graph replays they made (V2), so a row whose steps
+fell out of the graphs shows it.
 
 Targets:
   qwen3-4b  Qwen3-4B geometry (36 layers, GQA 32/8 heads); configs none, dflash, ddtree (all V2).
@@ -89,6 +91,23 @@ class StepClock:
         runner.execute_model = timed
 
 
+class ReplayCount:
+    """Counts FULL-graph replays of a V2 CUDA-graph manager (None on V1 runners, which have none): a row whose
+    steps did not replay graphs would compare eager steps with captured ones."""
+
+    def __init__(self, manager: object | None) -> None:
+        self.count = 0
+        if manager is None:
+            return
+        run = manager.run_fullgraph
+
+        def counted(*args: object, **kwargs: object) -> object:
+            self.count += 1
+            return run(*args, **kwargs)
+
+        manager.run_fullgraph = counted
+
+
 def run_one(args: argparse.Namespace) -> None:
     """Child process: one engine, every (context, batch); prints one JSON line per measurement."""
     spec_method, backend, v2, env = TARGETS[args.target][2][args.method]
@@ -109,7 +128,11 @@ def run_one(args: argparse.Namespace) -> None:
         compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
                             "cudagraph_capture_sizes": sorted({b * width for b in args.batches})},
     )  # fmt: skip
-    clock = StepClock(llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner)
+    model_runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    clock = StepClock(model_runner)
+    verify_replays = ReplayCount(getattr(model_runner, "cudagraph_manager", None))
+    speculator = getattr(model_runner, "speculator", None)
+    draft_replays = ReplayCount(getattr(speculator, "query_cudagraph_manager", None))
     for context in args.contexts:
         for batch in args.batches:
             prompts = [{"prompt_token_ids": [(7 * i + 13 * r) % 150000 + 2 for i in range(context)]}
@@ -117,16 +140,20 @@ def run_one(args: argparse.Namespace) -> None:
             params = SamplingParams(temperature=0.0, max_tokens=1 + args.steps, ignore_eos=True)
             llm.generate(prompts, params, use_tqdm=False)  # prefill into the prefix cache, warm every graph
             samples = []
+            verify_replays.count = draft_replays.count = steps_run = 0
             for _ in range(args.repeats):
                 clock.starts.clear()
                 llm.generate(prompts, params, use_tqdm=False)
                 steps = [b - a for a, b in pairwise(clock.starts)][3:]  # skip prefill and ramp-up
                 samples.append(statistics.median(steps))
+                steps_run += len(clock.starts)
             if args.profile and context == args.contexts[0] and batch == args.batches[0]:
                 _profile(llm, prompts, args, Path(args.profile) / f"{args.target}-{args.method}-{args.budget}.txt")
             row = {"method": args.method, "budget": args.budget if spec else 0, "width": width, "context": context,
                    "batch": batch, "step_ms": round(1e3 * statistics.median(samples), 4),
-                   "samples_ms": [round(1e3 * s, 4) for s in samples]}
+                   "samples_ms": [round(1e3 * s, 4) for s in samples], "steps": steps_run,
+                   "verify_graph_replays": verify_replays.count if v2 else None,
+                   "draft_graph_replays": draft_replays.count if v2 and spec else None}
             print("RESULT " + json.dumps(row), flush=True)
 
 
