@@ -56,8 +56,9 @@ def random_case(seed: int, device: str = "cpu", heads: int = 8, page: int = 16) 
                 max_query_len=max(q_lens))  # fmt: skip
 
 
-def check_case(case: dict, with_prefix: bool) -> None:
-    """Tail (+ context reference) vs the whole-verify fp32 reference, on the rows that exist."""
+def check_case(case: dict, with_prefix: bool, v_split: int | None = None) -> None:
+    """Tail (+ context reference) vs the whole-verify fp32 reference, on the rows that exist; ``v_split`` output
+    parts per row tile (None: the launcher's choice)."""
     from vllm_ddtree.mla_reference import mla_tree_verify_ref
     from vllm_ddtree.mla_tree_tail import mla_context_reference, mla_tree_tail
 
@@ -96,7 +97,7 @@ def check_case(case: dict, with_prefix: bool) -> None:
                                        seq_lens - q_lens, qsl, case["softmax_scale"], case["max_query_len"])
         prefix = dict(prefix_out=po.to(case["q_nope"].dtype).to(device), prefix_lse=pl.to(device))
     mla_tree_tail(**args, tree_bits=case["tree_bits"], softmax_scale=case["softmax_scale"], out=out, lse=lse,
-                  max_query_len=case["max_query_len"], **prefix)
+                  max_query_len=case["max_query_len"], v_split=v_split, **prefix)
     got, got_lse = out.float().cpu(), lse.cpu()
     assert not got.isnan().any() and not got_lse.isnan().any()
     err = (got - want).norm() / want.norm()
@@ -147,6 +148,12 @@ def check_backend_split(case: dict) -> None:
     assert torch.allclose(lse, want_lse, atol=2e-2, rtol=1e-3)
 
 
+def test_output_parts_fill_small_grids_only() -> None:
+    from vllm_ddtree.mla_tree_tail import output_parts
+
+    assert [output_parts(n) for n in (1, 16, 64, 100, 128, 256, 4096)] == [8, 8, 4, 4, 2, 1, 1]
+
+
 def test_padded_query_rows() -> None:
     from vllm_ddtree.backends.mla import padded_query_rows
 
@@ -162,6 +169,8 @@ INTERPRETER_CHECK = textwrap.dedent(
         check_case(random_case(seed), with_prefix=True)
         check_case(random_case(seed + 10), with_prefix=False)
         check_backend_split(random_case(seed + 20, page=64))
+    check_case(random_case(30), with_prefix=True, v_split=1)  # one program per row tile (large batches)
+    check_case(random_case(31), with_prefix=False, v_split=2)
     print("ok")
     """
 )
@@ -180,6 +189,7 @@ def test_cuda_tail_matches_reference(heads: int) -> None:
     for seed in range(4):
         check_case(random_case(seed, "cuda", heads), with_prefix=True)
         check_case(random_case(seed + 10, "cuda", heads), with_prefix=False)
+        check_case(random_case(seed + 20, "cuda", heads), with_prefix=True, v_split=1)
 
 
 @pytest.mark.gpu

@@ -6,9 +6,11 @@ request's last ``q_len`` (the context, visible to all rows, ``causal=False``) an
 log-sum-exp; this kernel attends the last ``q_len`` keys (the tree: at most 64) under the ancestor words and merges
 both by log-sum-exp. The context is read once, by FlashMLA, for all tree rows and heads.
 
-One program owns one request and ``BLOCK_M`` (query, head) rows of it (row ``r``: query ``r // H``, head
-``r % H``), so the request's tree keys are read once per row tile. With at most 64 keys per request the softmax is
-exact in two passes: scores over the 576 latent dims, then the output in 64-wide slices of the 512 value dims.
+One program owns one request, ``BLOCK_M`` (query, head) rows of it (row ``r``: query ``r // H``, head ``r % H``)
+and one ``512 / V_SPLIT``-wide part of the output, so the request's tree keys are read once per row tile and part.
+With at most 64 keys per request the softmax is exact in two passes: scores over the 576 latent dims, then the
+output part in 64-wide slices. Small batches split the output over up to 8 programs (the scores are recomputed in
+each, ~1/8 of a program's work): at batch 1 a 16-node tree of 64 heads is otherwise only 16 programs on 132 SMs.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ _LOG2E = 1.4426950408889634
 # Launch shape: 64 (query, head) rows per program, latent dims in 64-wide slices, 8 warps. Chosen so that no
 # target spills registers (checked ahead of time for sm_80/90/120 by tests/test_triton_aot.py).
 BLOCK_M, CHUNK, NUM_WARPS = 64, 64, 8
+MAX_V_SPLIT = 8
+TARGET_PROGRAMS = 256  # split the output until the grid has about this many programs
 
 
 @triton.jit
@@ -33,9 +37,11 @@ def _mla_tree_tail_kernel(q_nope_ptr, q_pe_ptr, kv_ptr, bt_ptr, seq_lens_ptr, qs
                           prefix_lse_ptr, out_ptr, lse_ptr, qk_scale, s_qn_t, s_qn_h, s_qp_t, s_qp_h, s_blk, s_tok,
                           s_bt, s_po_b, s_po_q, s_po_h, s_pl_b, s_pl_h, s_pl_q, s_o_t, s_o_h, s_l_t,
                           NUM_HEADS: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
-                          CHUNK: tl.constexpr, HAS_PREFIX: tl.constexpr, F32_DOT: tl.constexpr):
+                          CHUNK: tl.constexpr, V_SPLIT: tl.constexpr, HAS_PREFIX: tl.constexpr,
+                          F32_DOT: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
+    v_part = tl.program_id(2) if V_SPLIT > 1 else 0  # a constant 0 unsplit: same code as without parts
     q0 = tl.load(qsl_ptr + b).to(tl.int64)
     q_len = tl.load(qsl_ptr + b + 1).to(tl.int64) - q0
     r = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -94,32 +100,43 @@ def _mla_tree_tail_kernel(q_nope_ptr, q_pe_ptr, kv_ptr, bt_ptr, seq_lens_ptr, qs
         denom += w_prefix
     denom_safe = tl.where(denom == 0.0, 1.0, denom)
     lse = tl.where(denom == 0.0, float("-inf"), (m_safe + tl.math.log2(denom_safe)) / 1.4426950408889634)
-    tl.store(lse_ptr + token * s_l_t + head, lse, mask=row_ok)
+    tl.store(lse_ptr + token * s_l_t + head, lse, mask=row_ok & (v_part == 0))
 
     p = p.to(p_dtype)  # round P like the cache dtype, as tensor-core attention does
     if F32_DOT:
         p = p.to(tl.float32)
-    for c0 in range(0, 512, CHUNK):
-        v = tl.load(k_row[:, None] + c0 + c[None, :], mask=k_ok[:, None], other=0.0)
+    for step in range(512 // V_SPLIT // CHUNK):  # a constant trip count, like the unsplit loop
+        d0 = v_part * (512 // V_SPLIT) + step * CHUNK
+        v = tl.load(k_row[:, None] + d0 + c[None, :], mask=k_ok[:, None], other=0.0)
         if F32_DOT:
             v = v.to(tl.float32)
         acc = tl.dot(p, v)
         if HAS_PREFIX:
-            prev = tl.load(prefix_out_ptr + b * s_po_b + qi[:, None] * s_po_q + head[:, None] * s_po_h + c0
+            prev = tl.load(prefix_out_ptr + b * s_po_b + qi[:, None] * s_po_q + head[:, None] * s_po_h + d0
                            + c[None, :], mask=row_ok[:, None] & seen[:, None], other=0.0)
             acc += prev.to(tl.float32) * w_prefix[:, None]
-        tl.store(out_ptr + token[:, None] * s_o_t + head[:, None] * s_o_h + c0 + c[None, :],
+        tl.store(out_ptr + token[:, None] * s_o_t + head[:, None] * s_o_h + d0 + c[None, :],
                  (acc / denom_safe[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def output_parts(programs: int) -> int:
+    """How many parts to split each row tile's 512 output dims into: the fewest (a power of two, at most 8) that
+    bring ``programs`` row tiles to about ``TARGET_PROGRAMS`` programs."""
+    parts = 1
+    while parts < MAX_V_SPLIT and programs * parts < TARGET_PROGRAMS:
+        parts *= 2
+    return parts
 
 
 def mla_tree_tail(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                   seq_lens: torch.Tensor, query_start_loc: torch.Tensor, tree_bits: torch.Tensor, softmax_scale: float,
                   out: torch.Tensor, lse: torch.Tensor, max_query_len: int, prefix_out: torch.Tensor | None = None,
-                  prefix_lse: torch.Tensor | None = None) -> None:
+                  prefix_lse: torch.Tensor | None = None, v_split: int | None = None) -> None:
     """Attend each verify row's tree keys (the request's last ``q_len`` <= 64 keys, bit ``j`` of ``tree_bits[t]``
     lets row ``t`` see key ``j``) and merge the context pass ``prefix_out`` ``[B, s_q, H, 512]`` / ``prefix_lse``
     ``[B, H, s_q]`` (natural log) in; writes ``out`` ``[T, H, 512]`` and ``lse`` ``[T, H]`` (natural log). Without a
-    prefix only the tree keys are attended. bf16/fp16 cache ``[blocks, page, 576]``; no host reads (CUDA graphs)."""
+    prefix only the tree keys are attended. bf16/fp16 cache ``[blocks, page, 576]``; no host reads (CUDA graphs).
+    ``v_split`` (1, 2, 4 or 8 output parts per row tile) defaults to ``output_parts`` of the grid."""
     num_reqs, num_heads = seq_lens.shape[0], q_nope.shape[1]
     if not 1 <= max_query_len <= MAX_TREE:
         raise ValueError(f"mla_tree_tail handles rows of 1..{MAX_TREE} tokens, got max_query_len={max_query_len}")
@@ -132,7 +149,11 @@ def mla_tree_tail(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tens
         raise ValueError("prefix_out and prefix_lse go together")
     po = prefix_out if has_prefix else out
     pl = prefix_lse if has_prefix else lse
-    grid = (num_reqs, triton.cdiv(max_query_len * num_heads, BLOCK_M))
+    tiles = triton.cdiv(max_query_len * num_heads, BLOCK_M)
+    v_split = output_parts(num_reqs * tiles) if v_split is None else v_split
+    if v_split not in (1, 2, 4, 8):
+        raise ValueError(f"v_split must be 1, 2, 4 or 8, got {v_split}")
+    grid = (num_reqs, tiles, v_split)
     _mla_tree_tail_kernel[grid](
         q_nope, q_pe, kv_cache, block_table, seq_lens, query_start_loc, tree_bits, po, pl, out, lse,
         softmax_scale * _LOG2E, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
@@ -140,8 +161,8 @@ def mla_tree_tail(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tens
         po.stride(0) if has_prefix else 0, po.stride(1) if has_prefix else 0, po.stride(2) if has_prefix else 0,
         pl.stride(0) if has_prefix else 0, pl.stride(1) if has_prefix else 0, pl.stride(2) if has_prefix else 0,
         out.stride(0), out.stride(1), lse.stride(0),
-        NUM_HEADS=num_heads, PAGE=kv_cache.shape[1], BLOCK_M=BLOCK_M, CHUNK=CHUNK, HAS_PREFIX=has_prefix,
-        F32_DOT=os.environ.get("TRITON_INTERPRET") == "1", num_warps=NUM_WARPS,
+        NUM_HEADS=num_heads, PAGE=kv_cache.shape[1], BLOCK_M=BLOCK_M, CHUNK=CHUNK, V_SPLIT=v_split,
+        HAS_PREFIX=has_prefix, F32_DOT=os.environ.get("TRITON_INTERPRET") == "1", num_warps=NUM_WARPS,
     )  # fmt: skip
 
 
