@@ -28,7 +28,7 @@ _LOG2E = 1.4426950408889634
 # Launch shape: 64 (query, head) rows per program, latent dims in 64-wide slices, 8 warps. Chosen so that no
 # target spills registers (checked ahead of time for sm_80/90/120 by tests/test_triton_aot.py).
 BLOCK_M, CHUNK, NUM_WARPS = 64, 64, 8
-MAX_V_SPLIT = 8
+V_SPLITS = (1, 4, 8)  # output parts per row tile; 2 would spill registers on sm_80/90/120 (tests/test_triton_aot.py)
 TARGET_PROGRAMS = 256  # split the output until the grid has about this many programs
 
 
@@ -120,12 +120,9 @@ def _mla_tree_tail_kernel(q_nope_ptr, q_pe_ptr, kv_ptr, bt_ptr, seq_lens_ptr, qs
 
 
 def output_parts(programs: int) -> int:
-    """How many parts to split each row tile's 512 output dims into: the fewest (a power of two, at most 8) that
-    bring ``programs`` row tiles to about ``TARGET_PROGRAMS`` programs."""
-    parts = 1
-    while parts < MAX_V_SPLIT and programs * parts < TARGET_PROGRAMS:
-        parts *= 2
-    return parts
+    """How many parts to split each row tile's 512 output dims into: the fewest of ``V_SPLITS`` that bring
+    ``programs`` row tiles to about ``TARGET_PROGRAMS`` programs."""
+    return next((parts for parts in V_SPLITS if programs * parts >= TARGET_PROGRAMS), V_SPLITS[-1])
 
 
 def mla_tree_tail(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -136,7 +133,7 @@ def mla_tree_tail(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tens
     lets row ``t`` see key ``j``) and merge the context pass ``prefix_out`` ``[B, s_q, H, 512]`` / ``prefix_lse``
     ``[B, H, s_q]`` (natural log) in; writes ``out`` ``[T, H, 512]`` and ``lse`` ``[T, H]`` (natural log). Without a
     prefix only the tree keys are attended. bf16/fp16 cache ``[blocks, page, 576]``; no host reads (CUDA graphs).
-    ``v_split`` (1, 2, 4 or 8 output parts per row tile) defaults to ``output_parts`` of the grid."""
+    ``v_split`` (output parts per row tile, one of ``V_SPLITS``) defaults to ``output_parts`` of the grid."""
     num_reqs, num_heads = seq_lens.shape[0], q_nope.shape[1]
     if not 1 <= max_query_len <= MAX_TREE:
         raise ValueError(f"mla_tree_tail handles rows of 1..{MAX_TREE} tokens, got max_query_len={max_query_len}")
@@ -151,8 +148,8 @@ def mla_tree_tail(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tens
     pl = prefix_lse if has_prefix else lse
     tiles = triton.cdiv(max_query_len * num_heads, BLOCK_M)
     v_split = output_parts(num_reqs * tiles) if v_split is None else v_split
-    if v_split not in (1, 2, 4, 8):
-        raise ValueError(f"v_split must be 1, 2, 4 or 8, got {v_split}")
+    if v_split not in V_SPLITS:
+        raise ValueError(f"v_split must be one of {V_SPLITS}, got {v_split}")
     grid = (num_reqs, tiles, v_split)
     _mla_tree_tail_kernel[grid](
         q_nope, q_pe, kv_cache, block_table, seq_lens, query_start_loc, tree_bits, po, pl, out, lse,
