@@ -20,11 +20,17 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 
 
-def random_case(seed: int, device: str = "cpu", heads: int = 8, page: int = 16) -> dict:
+def random_case(seed: int, device: str = "cpu", heads: int = 8, page: int = 16, uniform: int = 0) -> dict:
+    """Three random requests, a one-token one and a q_len-0 padding one; with ``uniform`` > 0, four requests of
+    ``uniform`` tokens each instead (a ddtree verify batch)."""
     gen = torch.Generator().manual_seed(seed)
     num_pages = 96 * 16 // page + 8
     q_lens = [int(torch.randint(1, 65, (1,), generator=gen)) for _ in range(3)] + [1, 0]
+    if uniform:
+        q_lens = [uniform] * 4
     contexts = [int(torch.randint(0, 300, (1,), generator=gen)) for _ in range(3)] + [0, 0]
+    if uniform:
+        contexts = [int(torch.randint(1, 300, (1,), generator=gen)) for _ in q_lens]
     seq_lens = [c + n for c, n in zip(contexts, q_lens, strict=True)]
     kv = torch.full((num_pages, page, 576), float("nan"))
     perm = torch.randperm(num_pages, generator=gen)
@@ -126,16 +132,17 @@ def check_backend_split(case: dict) -> None:
     vs the fp32 reference of the whole verify."""
     from vllm.v1.attention.ops import flashmla
 
-    from vllm_ddtree.backends.mla import DDTreeMLADecodeMetadata, DDTreeMLAImpl, padded_query_rows
+    from vllm_ddtree.backends.mla import DDTreeMLADecodeMetadata, DDTreeMLAImpl, padded_query_rows, uniform_query_rows
     from vllm_ddtree.mla_reference import mla_tree_verify_ref
 
     flashmla.flash_mla_with_kvcache = fake_flashmla
     qsl, seq_lens, width = case["query_start_loc"], case["seq_lens"], case["max_query_len"]
     tokens, heads = case["q_nope"].shape[:2]
+    rows = None if uniform_query_rows(qsl.tolist(), width) else padded_query_rows(qsl, width, tokens, torch.arange(64))
     decode = DDTreeMLADecodeMetadata(
         block_table=case["block_table"], seq_lens=seq_lens, dcp_tot_seq_lens=None, query_start_loc=qsl,
         max_query_len=width, causal_token_bits=case["tree_bits"], context_lens=seq_lens - (qsl[1:] - qsl[:-1]),
-        padded_rows=padded_query_rows(qsl, width, tokens, torch.arange(64)), flashmla_sched=object(),
+        padded_rows=rows, flashmla_sched=object(),
     )  # fmt: skip
     impl = object.__new__(DDTreeMLAImpl)
     impl.scale = case["softmax_scale"]
@@ -154,6 +161,14 @@ def test_output_parts_fill_small_grids_only() -> None:
     assert [output_parts(n) for n in (1, 16, 64, 100, 128, 256, 4096)] == [8, 8, 4, 4, 4, 1, 1]
 
 
+def test_uniform_query_rows_need_no_gather() -> None:
+    from vllm_ddtree.backends.mla import uniform_query_rows
+
+    assert uniform_query_rows([0, 17, 34], 17) and uniform_query_rows([0, 1, 2, 3], 1)
+    assert not uniform_query_rows([0, 17, 34, 34], 17)  # a q_len-0 padding request: gather
+    assert not uniform_query_rows([0, 3, 4], 3)
+
+
 def test_padded_query_rows() -> None:
     from vllm_ddtree.backends.mla import padded_query_rows
 
@@ -169,6 +184,7 @@ INTERPRETER_CHECK = textwrap.dedent(
         check_case(random_case(seed), with_prefix=True)
         check_case(random_case(seed + 10), with_prefix=False)
         check_backend_split(random_case(seed + 20, page=64))
+    check_backend_split(random_case(23, page=64, uniform=17))  # a verify batch: FlashMLA takes the rows as they are
     check_case(random_case(30), with_prefix=True, v_split=1)  # one program per row tile (large batches)
     check_case(random_case(31), with_prefix=False, v_split=4)
     print("ok")

@@ -77,6 +77,12 @@ def padded_query_rows(query_start_loc: torch.Tensor, width: int, num_tokens: int
     return rows.flatten().clamp(max=max(num_tokens - 1, 0))
 
 
+def uniform_query_rows(query_start_loc: list[int], width: int) -> bool:
+    """Whether every request has exactly ``width`` query rows: FlashMLA's uniform ``[B, width]`` layout is then the
+    rows as they are, with no gather (every verify step of a ddtree batch, and plain decode)."""
+    return all(b - a == width for a, b in zip(query_start_loc[:-1], query_start_loc[1:], strict=True))
+
+
 def causal_token_bits(query_start_loc: list[int], num_tokens: int) -> torch.Tensor:
     """``[num_tokens]`` int64: token t of a request gets the causal word of its index in the request (<= 63)."""
     qsl = torch.tensor(query_start_loc, dtype=torch.int64)
@@ -119,21 +125,24 @@ class DDTreeMLAMetadataBuilder(MLACommonMetadataBuilder[DDTreeMLAMetadata]):
             query_start_loc=query_start_loc_device, max_query_len=width, causal_token_bits=self._causal_bits,
         )  # fmt: skip
         if self._flashmla_context:
-            self._plan_flashmla_context(decode, num_decode_tokens)
+            self._plan_flashmla_context(decode, num_decode_tokens, uniform_query_rows(qsl, width))
         return decode
 
-    def _plan_flashmla_context(self, decode: DDTreeMLADecodeMetadata, num_decode_tokens: int) -> None:
-        """Persistent per-step inputs of the context pass (device ops only): context lengths, and for each request
-        ``width`` row indices into the decode queries (its rows, then its last row repeated) for FlashMLA's uniform
-        ``[B, width]`` query layout."""
+    def _plan_flashmla_context(self, decode: DDTreeMLADecodeMetadata, num_decode_tokens: int, uniform: bool) -> None:
+        """Persistent per-step inputs of the context pass (device ops only): context lengths, and unless every
+        request has ``width`` rows (``uniform``), for each request ``width`` row indices into the decode queries
+        (its rows, then its last row repeated) for FlashMLA's uniform ``[B, width]`` query layout. A FULL graph is
+        captured on a uniform batch and replayed only on uniform batches (real requests first, q_len-0 padding
+        after), where the rows are already in that layout."""
         from vllm.v1.attention.ops.flashmla import get_mla_metadata
 
         num_reqs, width = decode.seq_lens.shape[0], decode.max_query_len
         qsl = decode.query_start_loc
         self._context_lens[:num_reqs] = decode.seq_lens - (qsl[1:] - qsl[:-1]).to(torch.int32)
-        self._padded_rows[: num_reqs * width] = padded_query_rows(qsl, width, num_decode_tokens, self._cols)
         decode.context_lens = self._context_lens[:num_reqs]
-        decode.padded_rows = self._padded_rows[: num_reqs * width]
+        if not uniform:
+            self._padded_rows[: num_reqs * width] = padded_query_rows(qsl, width, num_decode_tokens, self._cols)
+            decode.padded_rows = self._padded_rows[: num_reqs * width]
         decode.flashmla_sched = get_mla_metadata()[0]
 
 
@@ -182,7 +191,8 @@ class DDTreeMLAImpl(MLACommonImpl[DDTreeMLAMetadata]):
         from vllm_ddtree.mla_tree_tail import mla_tree_tail
 
         num_reqs, width, num_heads = decode.seq_lens.shape[0], decode.max_query_len, q_nope.shape[1]
-        q = torch.cat([q_nope, q_pe], dim=-1)[decode.padded_rows].view(num_reqs, width, num_heads, -1)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        q = (q if decode.padded_rows is None else q[decode.padded_rows]).view(num_reqs, width, num_heads, -1)
         context_out, context_lse = flash_mla_with_kvcache(
             q=q, k_cache=kv_cache.unsqueeze(-2), block_table=decode.block_table, cache_seqlens=decode.context_lens,
             head_dim_v=KV_LORA_RANK, tile_scheduler_metadata=decode.flashmla_sched, softmax_scale=self.scale,
