@@ -91,23 +91,6 @@ class StepClock:
         runner.execute_model = timed
 
 
-class ReplayCount:
-    """Counts FULL-graph replays of a V2 CUDA-graph manager (None on V1 runners, which have none): a row whose
-    steps did not replay graphs would compare eager steps with captured ones."""
-
-    def __init__(self, manager: object | None) -> None:
-        self.count = 0
-        if manager is None:
-            return
-        run = manager.run_fullgraph
-
-        def counted(*args: object, **kwargs: object) -> object:
-            self.count += 1
-            return run(*args, **kwargs)
-
-        manager.run_fullgraph = counted
-
-
 def run_one(args: argparse.Namespace) -> None:
     """Child process: one engine, every (context, batch); prints one JSON line per measurement."""
     spec_method, backend, v2, env = TARGETS[args.target][2][args.method]
@@ -115,6 +98,8 @@ def run_one(args: argparse.Namespace) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if v2 else "0"
     from vllm import LLM, SamplingParams
+
+    from vllm_ddtree.graph_replays import ReplayCounter
 
     target, drafter = write_models(Path(args.workdir), args.target)
     width = 1 + args.budget if spec_method else 1
@@ -130,9 +115,9 @@ def run_one(args: argparse.Namespace) -> None:
     )  # fmt: skip
     model_runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
     clock = StepClock(model_runner)
-    verify_replays = ReplayCount(getattr(model_runner, "cudagraph_manager", None))
+    verify_replays = ReplayCounter(getattr(model_runner, "cudagraph_manager", None))
     speculator = getattr(model_runner, "speculator", None)
-    draft_replays = ReplayCount(getattr(speculator, "query_cudagraph_manager", None))
+    draft_replays = ReplayCounter(getattr(speculator, "query_cudagraph_manager", None))
     for context in args.contexts:
         for batch in args.batches:
             prompts = [{"prompt_token_ids": [(7 * i + 13 * r) % 150000 + 2 for i in range(context)]}

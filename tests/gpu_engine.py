@@ -73,20 +73,6 @@ def runner(llm):
     return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
 
 
-class ReplayCounter:
-    """Counts FULL-graph replays of a CUDA-graph manager instance (wraps its bound ``run_fullgraph``)."""
-
-    def __init__(self, manager) -> None:
-        self.count = 0
-        run = manager.run_fullgraph
-
-        def counted(*args, **kwargs):
-            self.count += 1
-            return run(*args, **kwargs)
-
-        manager.run_fullgraph = counted
-
-
 def free() -> None:
     import torch
 

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 from gpu_engine import (
     MAX_TOKENS,
-    ReplayCounter,
     assert_equal_up_to_near_ties,
     free,
     generate,
@@ -19,6 +18,8 @@ from gpu_engine import (
     prompts,
     runner,
 )
+
+from vllm_ddtree.graph_replays import ReplayCounter
 
 pytestmark = pytest.mark.gpu
 

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 from gpu_engine import (
     MAX_TOKENS,
-    ReplayCounter,
     assert_equal_up_to_near_ties,
     free,
     generate,
@@ -25,6 +24,8 @@ from gpu_engine import (
     prompts,
     runner,
 )
+
+from vllm_ddtree.graph_replays import ReplayCounter
 
 pytestmark = pytest.mark.gpu
 

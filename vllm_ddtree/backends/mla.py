@@ -38,8 +38,8 @@ ROPE_DIM = 64
 @dataclass
 class DDTreeMLADecodeMetadata(MLACommonDecodeMetadata):
     """Decode rows' block table and lengths (from vLLM) plus their query offsets, grid bound and causal words; with
-    the FlashMLA context split also each row's context length, the rows padded to a uniform width for FlashMLA, and
-    FlashMLA's scheduler metadata."""
+    the FlashMLA context split also each row's context length, the row gather into FlashMLA's uniform width (None
+    when the rows already have it), and FlashMLA's scheduler metadata."""
 
     query_start_loc: torch.Tensor
     max_query_len: int
