@@ -1,8 +1,9 @@
 """Time DDTree's per-step tree ops on the GPU under CUDA-graph replay, against the heap reference on the CPU.
 
-Ops: tree build and acceptance walk (fused Triton kernels and the pure-torch paths), KV compaction (DeepSeek-V3
-MLA cache, 61 layers, and a Qwen3-8B GQA cache, 36 layers), and the three together as one graph. Prints a table
-and writes JSON.
+Ops: the drafter's per-depth top-k log-probs over a 163,840-token vocabulary (``draft_topk``'s Triton kernel vs
+torch's topk + logsumexp), tree build and acceptance walk (fused Triton kernels and the pure-torch paths), KV
+compaction (DeepSeek-V3 MLA cache, 61 layers, and a Qwen3-8B GQA cache, 36 layers), and build + walk + compaction
+as one graph. Prints a table and writes JSON.
 
     python bench/tree_ops.py --out bench/results/tree_ops_h200.json
 """
@@ -20,11 +21,19 @@ from pathlib import Path
 import torch
 
 from vllm_ddtree.accept import walk_trees, walk_trees_torch
+from vllm_ddtree.draft_topk import topk_logprobs, topk_logprobs_reference
 from vllm_ddtree.kv_compact import KVCompactor
 from vllm_ddtree.tree import build_trees, build_trees_reference, build_trees_torch
 
 D, K = 15, 8
 VOCAB = 4096
+DRAFT_VOCAB = 163840  # Kimi-K2's vocabulary: the drafter's per-depth top-k reads [batch * D, DRAFT_VOCAB] logits
+
+
+def topk_logprobs_torch(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the drafter ran before ``draft_topk``: torch's topk and a float32 logsumexp."""
+    values, ids = logits.topk(k, dim=-1)
+    return values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True), ids
 
 
 def gpu_median_us(fn: Callable[[], object], replays_per_sample: int = 20, samples: int = 30) -> float:
@@ -126,6 +135,10 @@ def bench_case(batch: int, budget: int, device: str) -> dict:
 
             row["step_build_walk_compact_mla_us"] = gpu_median_us(whole_step)
         del caches, compactor
+    logits = torch.randn(batch * D, DRAFT_VOCAB, device=device, dtype=torch.bfloat16) * 3.0
+    row["topk_triton_us"] = gpu_median_us(lambda: topk_logprobs(logits, K))
+    row["topk_torch_us"] = gpu_median_us(lambda: topk_logprobs_torch(logits, K))
+    assert torch.equal(topk_logprobs(logits, K)[1], topk_logprobs_reference(logits, K)[1])
     if batch <= 32:
         cpu_lp, cpu_ids = logprobs.cpu(), ids.cpu()
         row["heap_reference_cpu_us"] = cpu_median_us(lambda: build_trees_reference(cpu_lp, cpu_ids, budget))
@@ -142,8 +155,9 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench/tree_ops.py times CUDA-graph replays and needs a CUDA GPU")
     rows = [bench_case(b, n, "cuda") for b in args.batches for n in args.budgets]
-    cols = ["batch", "budget", "build_triton_us", "build_torch_us", "walk_us", "walk_torch_us", "compact_mla_61l_us",
-            "compact_gqa_36l_us", "step_build_walk_compact_mla_us", "heap_reference_cpu_us", "mean_accepted"]
+    cols = ["batch", "budget", "topk_triton_us", "topk_torch_us", "build_triton_us", "build_torch_us", "walk_us",
+            "walk_torch_us", "compact_mla_61l_us", "compact_gqa_36l_us", "step_build_walk_compact_mla_us",
+            "heap_reference_cpu_us", "mean_accepted"]
     print(" | ".join(f"{c:>14}" for c in cols))
     for r in rows:
         print(" | ".join(f"{r.get(c, float('nan')):>14.1f}" if isinstance(r.get(c), float) else f"{r.get(c, '-'):>14}"

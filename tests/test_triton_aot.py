@@ -59,6 +59,24 @@ def test_move_path_rows_kernel_compiles(arch: int) -> None:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("k", [1, 8, 16])
+def test_draft_topk_kernels_compile(arch: int, k: int) -> None:
+    import triton
+
+    from vllm_ddtree.draft_topk import MIN_SLICE, _merge_topk_kernel, _slice_topk_kernel
+
+    kp = triton.next_power_of_2(k)
+    signature = {"logits": "*bf16", "row_stride": "i32", "vocab": "i32", "part_vals": "*fp32", "part_ids": "*i32",
+                 "part_stats": "*fp32", "num_slices": "i32"}  # fmt: skip
+    constexprs = {"K": k, "KP": kp, "SLICE": MIN_SLICE}
+    _check(_compile(_slice_topk_kernel, signature, constexprs, arch, 8), f"topk slices k{k} sm_{arch}")
+    signature = {"part_vals": "*fp32", "part_ids": "*i32", "part_stats": "*fp32", "num_slices": "i32", "vocab": "i32",
+                 "out_logprobs": "*fp32", "out_ids": "*i64"}  # fmt: skip
+    constexprs = {"K": k, "KP": kp, "SP": 64}
+    _check(_compile(_merge_topk_kernel, signature, constexprs, arch), f"topk merge k{k} sm_{arch}")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("heads", [8, 64, 128])
 @pytest.mark.parametrize(("has_prefix", "v_split"), [(True, 1), (True, 4), (True, 8), (False, 1)])
 def test_mla_tree_tail_kernel_compiles(arch: int, heads: int, has_prefix: bool, v_split: int) -> None:

@@ -25,16 +25,11 @@ from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 from vllm_ddtree.accept import AcceptedPaths
 from vllm_ddtree.backends.tree_mask import TreeMaskBuffers, install_tree_masks
 from vllm_ddtree.config import DDTreeConfig, get_ddtree_config
+from vllm_ddtree.draft_topk import topk_logprobs
 from vllm_ddtree.sampler import DDTreeRejectionSamplerV1
 from vllm_ddtree.tree import DraftTrees, build_trees
 from vllm_ddtree.tree_state import DDTreeStepState, TreeBuffers, needs_chain
 from vllm_ddtree.verify_layout import move_path_rows, path_permutation, restore_linear_positions
-
-
-def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k log-probs and ids per row, without materialising a float32 log-softmax of the whole vocabulary."""
-    values, ids = logits.topk(k, dim=-1)
-    return values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True), ids
 
 
 def build_trees_with_chains(topk_logprobs: torch.Tensor, topk_ids: torch.Tensor, budget: int,
