@@ -46,16 +46,21 @@ def write_prompts(n: int = 64, length: int = 64) -> None:
     print(f"{n} prompts of {length} tokens -> {PROMPTS}")
 
 
-def engine_kwargs(gpu: bool, max_batch: int, width: int) -> dict:
-    """Every decode batch of 1..max_batch requests of ``width`` tokens gets a FULL graph (vLLM's default capture
-    sizes stop at 512 tokens, so budget 63 at batch 16 would verify eagerly)."""
+def engine_kwargs(gpu: bool, max_batch: int, width: int, draft_width: int) -> dict:
+    """Every decode batch of 1..max_batch requests gets a FULL graph for its verify (``width`` tokens a request) and
+    its drafter step (``draft_width``; ddtree's drafter runs 1 + depth tokens whatever the budget). vLLM's default
+    capture sizes stop at 512 tokens, so budget 63 at batch 16 would verify eagerly."""
     common = dict(max_model_len=512, max_num_seqs=max_batch, seed=0, disable_log_stats=False,
                   enable_prefix_caching=False)  # the timed pass prefills like the warm-up pass did
     if not gpu:
         return dict(common, dtype="float32", max_num_batched_tokens=512)
-    sizes = [n * width for n in range(1, max_batch + 1)]
+    sizes = sorted({n * w for n in range(1, max_batch + 1) for w in (width, draft_width)})
     return dict(common, dtype="bfloat16", gpu_memory_utilization=0.1,
                 compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": sizes})
+
+
+def _drafter_block(drafter: str) -> int:
+    return json.loads((Path(drafter) / "config.json").read_text())["block_size"]
 
 
 def _counters(llm: object) -> dict[str, float]:
@@ -88,22 +93,32 @@ def _warm_up(llm: object, prompts: list[dict], params: object, batch: int, refer
 def run_one(args: argparse.Namespace) -> None:
     """Child process: one engine; every batch size; prints one RESULT line per batch size."""
     import torch
-    from vllm import LLM, SamplingParams
 
     gpu = torch.cuda.is_available()
+    if gpu:  # every config on Model Runner V2: vLLM defaults MoE-configured DeepSeek targets (the MLA pair) to V1
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    from vllm import LLM, SamplingParams
+
+    from vllm_ddtree.graph_replays import ReplayCounter
+
     target, drafter = (str(ROOT / "models" / name) for name in PAIRS[args.pair])
     spec = None
     if args.method != "none":
         spec = {"method": args.method, "model": drafter, "num_speculative_tokens": args.budget,
                 "draft_load_config": {"load_format": "safetensors"}}  # fmt: skip
     width = 1 + args.budget if spec else 1
-    llm = LLM(model=target, speculative_config=spec, **engine_kwargs(gpu, max(args.batches), width))
+    draft_width = 1 + min(args.budget, _drafter_block(drafter) - 1) if args.method == "ddtree" else width
+    llm = LLM(model=target, speculative_config=spec, **engine_kwargs(gpu, max(args.batches), width, draft_width))
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner if gpu else None
+    verify_replays = ReplayCounter(getattr(runner, "cudagraph_manager", None))
+    draft_replays = ReplayCounter(getattr(getattr(runner, "speculator", None), "query_cudagraph_manager", None))
     prompts = [{"prompt_token_ids": p} for p in json.loads(PROMPTS.read_text())[: args.prompts]]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     for batch in args.batches:
         # Warm-up pass (graphs, first-shape Triton compiles); the reference run also records its top-2 gaps.
         gaps = _warm_up(llm, prompts, params, batch, reference=spec is None)
         before = _counters(llm)
+        verify_replays.count = draft_replays.count = 0
         start = time.perf_counter()
         tokens = _decode(llm, prompts, params, batch)
         wall = time.perf_counter() - start
@@ -116,6 +131,7 @@ def run_one(args: argparse.Namespace) -> None:
                "device": torch.cuda.get_device_name() if gpu else "cpu", "dtype": "bfloat16" if gpu else "float32",
                "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else 1.0,
                "tok_per_s": round(len(tokens) * args.max_tokens / wall, 1), "wall_s": round(wall, 3),
+               "verify_graph_replays": verify_replays.count, "draft_graph_replays": draft_replays.count,
                "tokens": tokens, "gaps": gaps}  # fmt: skip
         print("RESULT " + json.dumps(row), flush=True)
 
