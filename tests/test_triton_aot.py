@@ -106,20 +106,24 @@ def test_verify_layout_kernel_compiles(arch: int, linear: bool) -> None:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize(("block_m", "has_prefix"), [(64, True), (128, True), (128, False)])
-def test_gqa_tree_attention_kernel_compiles(arch: int, block_m: int, has_prefix: bool) -> None:
-    """Qwen3-4B's attention (32 query heads over 8 KV heads, head 128, bf16) at the tile sizes the launcher picks
-    for tree widths 16 and 64 (8 warps): tail-only after FlashAttention's context (the Hopper path, which must not
-    spill) and whole-context. The sm_80 / sm_120 builds of this kernel still spill a few hundred bytes."""
-    from vllm_ddtree.gqa_tree_attention import _gqa_tree_attn_kernel
+@pytest.mark.parametrize("width", [16, 64])
+@pytest.mark.parametrize("has_prefix", [True, False])
+def test_gqa_tree_attention_kernel_compiles(arch: int, width: int, has_prefix: bool) -> None:
+    """Qwen3-4B's attention (32 query heads over 8 KV heads, head 128, bf16) at the tiles the launcher picks on
+    that GPU for tree widths 16 and 64: tail-only after FlashAttention's context, and whole-context. None spills."""
+    import torch
 
+    from vllm_ddtree.gqa_tree_attention import _gqa_tree_attn_kernel, tile_config
+
+    block_m, block_n, num_warps, _ = tile_config(128, torch.bfloat16, 4, width, has_prefix, hopper=arch == 90)
     pointers = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "*i32", "seq_lens_ptr": "*i32", "qsl_ptr": "*i32",
                 "bits_ptr": "*i64", "out_ptr": "*bf16", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
                 "prefix_out_ptr": "*bf16", "prefix_lse_ptr": "*fp32", "num_reqs": "i32", "num_rows": "i32",
                 "qk_scale": "fp32"}  # fmt: skip
     strides = ["s_qt", "s_qh", "s_blk", "s_kvh", "s_tok", "s_bt", "s_ot", "s_oh", "s_pt", "s_ph", "s_lh"]
     constexprs = {"NUM_Q_HEADS": 32, "GROUP": 4, "HEAD_D": 128, "BLOCK_Q": block_m // 4, "BLOCK_M": block_m,
-                  "BLOCK_N": 64, "BLOCK_R": 16, "PAGE": 16, "NUM_SPLITS": 1 if has_prefix else 4, "DOT_PREC": "tf32",
-                  "F32_DOT": False, "HAS_PREFIX": has_prefix}  # fmt: skip
-    kernel = _compile(_gqa_tree_attn_kernel, {**pointers, **dict.fromkeys(strides, "i32")}, constexprs, arch, 8)
-    _check(kernel, f"gqa M{block_m} prefix={has_prefix} sm_{arch}", no_spills=arch == 90 and has_prefix)
+                  "BLOCK_N": block_n, "BLOCK_R": 16, "PAGE": 16, "NUM_SPLITS": 1 if has_prefix else 4,
+                  "DOT_PREC": "tf32", "F32_DOT": False, "HAS_PREFIX": has_prefix}  # fmt: skip
+    kernel = _compile(_gqa_tree_attn_kernel, {**pointers, **dict.fromkeys(strides, "i32")}, constexprs, arch,
+                      num_warps)  # fmt: skip
+    _check(kernel, f"gqa W{width} M{block_m} N{block_n} prefix={has_prefix} sm_{arch}")

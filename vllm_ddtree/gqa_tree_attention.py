@@ -257,6 +257,23 @@ def _combine_kernel(
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
 
 
+def tile_config(head_d: int, dtype: torch.dtype, group: int, avg_q: int, has_prefix: bool,
+                hopper: bool) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)``. M-tile: all heads of the group times as many rows as fit,
+    sized from the average q_len (a static hint); smaller for D = 256 and fp32 (no tensor cores with ieee dots).
+    8 warps from 64 x 128 tiles up (with 4 the row-gathered K/V addresses spill). 64-key K/V tiles only where they
+    fit the registers: Hopper's tree tail (the path measured on the H200). Elsewhere 32 keys, and on sm_80 / sm_120
+    whole-context tiles of at most 64 rows: their builds of the larger tiles spill up to 400 bytes a thread
+    (``tests/test_triton_aot.py`` compiles every choice for sm_80, sm_90 and sm_120 and checks for spills)."""
+    wide = head_d > 128 or dtype == torch.float32
+    cap = 64 if wide or (not hopper and not has_prefix) else 128
+    block_m = max(16, min(cap, triton.next_power_of_2(group * avg_q)), triton.next_power_of_2(group))
+    block_n = 64 if hopper and has_prefix and not wide else 32
+    num_warps = 8 if block_m * head_d >= 64 * 128 else 4
+    num_stages = 1 if dtype == torch.float32 else (2 if wide else 3)
+    return block_m, block_n, num_warps, num_stages
+
+
 def _default_num_splits(num_rows: int, block_q: int, num_kv_heads: int, big_tile: bool, device: torch.device) -> int:
     """Fill one wave from static shapes: an 8-warp 128x128 tile holds one CTA per SM, smaller tiles two. On the
     H200 (Hq 32, Hkv 8, D 128) this picked the fastest measured split count at B=1 L=32k and B=16 L=4k, W=16 and 64;
@@ -299,20 +316,13 @@ def gqa_tree_attention(
     if num_rows == 0 or num_reqs == 0:
         return
     group = num_q_heads // num_kv_heads
-    # M-tile: all heads of the group times as many rows as fit; size it from the average q_len (a static hint).
-    # Tiles shrink for D = 256 and fp32 (no tensor cores with ieee dots) to stay within registers and shared memory.
-    wide = head_d > 128 or query.dtype == torch.float32
-    avg_q = triton.cdiv(num_rows, num_reqs)
-    block_m = max(16, min(64 if wide else 128, triton.next_power_of_2(group * avg_q)), triton.next_power_of_2(group))
+    has_prefix = prefix_out is not None
+    hopper = query.is_cuda and torch.cuda.get_device_capability(query.device)[0] == 9
+    tiles = tile_config(head_d, query.dtype, group, triton.cdiv(num_rows, num_reqs), has_prefix, hopper)
+    block_m, block_n, num_warps, num_stages = tiles
     block_q = block_m // group
-    block_n = 32 if wide else 64
-    num_stages = 1 if query.dtype == torch.float32 else (2 if wide else 3)
     num_q_tiles = num_rows // block_q + num_reqs
     big_tile = block_m * head_d >= 128 * 128
-    # 8 warps from 64 x 128 tiles up: with 4, the row-gathered K/V addresses push the Hopper build into spills
-    # (tests/test_triton_aot.py compiles these shapes ahead of time).
-    num_warps = 8 if block_m * head_d >= 64 * 128 else 4
-    has_prefix = prefix_out is not None
     if has_prefix != (prefix_lse is not None):
         raise ValueError("prefix_out and prefix_lse go together")
     if has_prefix:
