@@ -2,7 +2,9 @@
 
 Targets have dummy weights and the drafter is a dummy DFlash model, so proposals are (almost) never accepted and
 the time per decode step is what is compared: verify + sample + draft, at the same verify width W = 1 + budget.
-Each configuration runs in its own process. For every (context, batch) it prefills once (prefix-cached, warming
+Each configuration runs in its own process and its engine core in another, as under ``vllm serve``; ``--inline``
+keeps the engine core in the bench's process, as every committed step-time JSON so far was measured, which adds each
+step's output handling to its host time. For every (context, batch) it prefills once (prefix-cached, warming
 every graph), then runs ``generate`` with 1 + N output tokens ``--repeats`` times while a wrapper on the model
 runner's ``execute_model`` records when each step starts; the step time is the median interval between steady
 decode steps (pipelined like serving: async scheduling on V2). Decode steps replay FULL CUDA graphs; each row
@@ -31,6 +33,7 @@ import tempfile
 import time
 from itertools import pairwise
 from pathlib import Path
+from typing import Any
 
 from child_rows import result_rows
 
@@ -92,15 +95,51 @@ class StepClock:
         runner.execute_model = timed
 
 
+def _install_probes(worker: Any) -> None:
+    """Runs where the model runner lives: a step clock and FULL-graph replay counters (verify, drafter) on it."""
+    from vllm_ddtree.graph_replays import ReplayCounter
+
+    runner = worker.model_runner
+    speculator = getattr(runner, "speculator", None)
+    worker.ddtree_probes = (StepClock(runner), ReplayCounter(getattr(runner, "cudagraph_manager", None)),
+                            ReplayCounter(getattr(speculator, "query_cudagraph_manager", None)))  # fmt: skip
+
+
+def _read_probes(worker: Any) -> tuple[list[float], int, int]:
+    """Step start times and graph replays since the last read, which resets them."""
+    clock, verify, draft = worker.ddtree_probes
+    read = (list(clock.starts), verify.count, draft.count)
+    clock.starts.clear()
+    verify.count = draft.count = 0
+    return read
+
+
+def _start_profiler(worker: Any) -> None:
+    import torch
+
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    worker.ddtree_profiler = torch.profiler.profile(activities=activities)
+    worker.ddtree_profiler.__enter__()
+
+
+def _stop_profiler(worker: Any) -> str:
+    """Kernels and host ops of the engine's process since ``_start_profiler``, as two tables."""
+    prof = worker.ddtree_profiler
+    prof.__exit__(None, None, None)
+    return (prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40) + "\n"
+            + prof.key_averages().table(sort_by="cpu_time_total", row_limit=40))  # fmt: skip
+
+
 def run_one(args: argparse.Namespace) -> None:
     """Child process: one engine, every (context, batch); prints one JSON line per measurement."""
     spec_method, backend, v2, env = TARGETS[args.target][2][args.method]
     os.environ.update(env)
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # By default the engine core runs in its own process, as under ``vllm serve``, and the probes are installed
+    # there through ``collective_rpc`` (which takes functions only with insecure serialization allowed).
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if args.inline else "1"
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if v2 else "0"
     from vllm import LLM, SamplingParams
-
-    from vllm_ddtree.graph_replays import ReplayCounter
 
     target, drafter = write_models(Path(args.workdir), args.target)
     width = 1 + args.budget if spec_method else 1
@@ -117,48 +156,39 @@ def run_one(args: argparse.Namespace) -> None:
         compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
                             "cudagraph_capture_sizes": sizes},
     )  # fmt: skip
-    model_runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-    clock = StepClock(model_runner)
-    verify_replays = ReplayCounter(getattr(model_runner, "cudagraph_manager", None))
-    speculator = getattr(model_runner, "speculator", None)
-    draft_replays = ReplayCounter(getattr(speculator, "query_cudagraph_manager", None))
+
+    def on_worker(fn: Any) -> Any:
+        if args.inline:
+            return fn(llm.llm_engine.engine_core.engine_core.model_executor.driver_worker)
+        return llm.collective_rpc(fn)[0]
+
+    on_worker(_install_probes)
     for context in args.contexts:
         for batch in args.batches:
             prompts = [{"prompt_token_ids": [(7 * i + 13 * r) % 150000 + 2 for i in range(context)]}
                        for r in range(batch)]
             params = SamplingParams(temperature=0.0, max_tokens=1 + args.steps, ignore_eos=True)
             llm.generate(prompts, params, use_tqdm=False)  # prefill into the prefix cache, warm every graph
-            samples = []
-            verify_replays.count = draft_replays.count = steps_run = 0
+            on_worker(_read_probes)
+            samples, counts = [], [0, 0, 0]  # steps, verify replays, drafter replays
             for _ in range(args.repeats):
-                clock.starts.clear()
                 llm.generate(prompts, params, use_tqdm=False)
-                steps = [b - a for a, b in pairwise(clock.starts)][3:]  # skip prefill and ramp-up
-                samples.append(statistics.median(steps))
-                steps_run += len(clock.starts)
+                starts, verify, draft = on_worker(_read_probes)
+                samples.append(statistics.median([b - a for a, b in pairwise(starts)][3:]))  # skip prefill, ramp-up
+                counts = [counts[0] + len(starts), counts[1] + verify, counts[2] + draft]
             if args.profile and context == args.contexts[0] and batch == args.batches[0]:
-                _profile(llm, prompts, args, Path(args.profile) / f"{args.target}-{args.method}-{args.budget}.txt")
+                on_worker(_start_profiler)
+                llm.generate(prompts, params, use_tqdm=False)
+                out = Path(args.profile) / f"{args.target}-{args.method}-{args.budget}.txt"
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_text(f"{args.method} budget {args.budget}: one generate of {1 + args.steps} tokens (first "
+                               f"is prefill), engine process\n" + on_worker(_stop_profiler))  # fmt: skip
             row = {"method": args.method, "budget": args.budget if spec else 0, "width": width, "context": context,
                    "batch": batch, "step_ms": round(1e3 * statistics.median(samples), 4),
-                   "samples_ms": [round(1e3 * s, 4) for s in samples], "steps": steps_run,
-                   "verify_graph_replays": verify_replays.count if v2 else None,
-                   "draft_graph_replays": draft_replays.count if v2 and spec else None}
+                   "samples_ms": [round(1e3 * s, 4) for s in samples], "steps": counts[0],
+                   "verify_graph_replays": counts[1] if v2 else None,
+                   "draft_graph_replays": counts[2] if v2 and spec else None}
             print("RESULT " + json.dumps(row), flush=True)
-
-
-def _profile(llm: object, prompts: list[dict], args: argparse.Namespace, out: Path) -> None:
-    """One more timed ``generate`` under torch.profiler: kernels and host ops per decode step, for finding overheads."""
-    import torch
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=1 + args.steps, ignore_eos=True)
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as prof:
-        llm.generate(prompts, params, use_tqdm=False)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(f"{args.method} budget {args.budget}: one generate of {1 + args.steps} tokens (first is prefill)\n"
-                   + prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40) + "\n"
-                   + prof.key_averages().table(sort_by="cpu_time_total", row_limit=40))  # fmt: skip
 
 
 def main() -> None:
@@ -174,6 +204,8 @@ def main() -> None:
                         help="run every configuration this many times, interleaved, one process each (median)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/step_time_h200.json"))
     parser.add_argument("--profile", metavar="DIR", help="also write a torch.profiler table per configuration here")
+    parser.add_argument("--inline", action="store_true",
+                        help="run the engine core inside the bench process (how the earlier JSON was measured)")
     parser.add_argument("--one", nargs=2, metavar=("METHOD", "BUDGET"), help=argparse.SUPPRESS)
     parser.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -197,6 +229,8 @@ def main() -> None:
                        *map(str, args.contexts), "--batches", *map(str, args.batches)]  # fmt: skip
                 if args.profile and round_index == 0:
                     cmd += ["--profile", args.profile]
+                if args.inline:
+                    cmd.append("--inline")
                 for row in result_rows(cmd, f"{method} budget {budget} round {round_index}"):
                     rows.append(dict(row, round=round_index))
                     print("RESULT " + json.dumps(row), flush=True)
