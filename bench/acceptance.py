@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from child_rows import result_rows
-from engine_probes import engine_process_env, install_probes, read_probes, run_on_worker
+from engine_probes import engine_process_env, install_probes, read_probes, run_on_worker, shut_down
 
 ROOT = Path(__file__).resolve().parents[1]
 PAIRS = {"gqa": ("stdlib-qwen3-tiny", "stdlib-qwen3-tiny-dflash"), "mla": ("stdlib-mla-tiny", "stdlib-mla-tiny-dflash")}
@@ -133,6 +133,7 @@ def run_one(args: argparse.Namespace) -> None:
                "verify_graph_replays": verify_replays, "draft_graph_replays": draft_replays,
                "tokens": tokens, "gaps": gaps}  # fmt: skip
         print("RESULT " + json.dumps(row), flush=True)
+    shut_down(llm)
 
 
 def summarize(rows: list[dict]) -> list[dict]:

@@ -23,6 +23,12 @@ def run_on_worker(llm: Any, fn: Any, inline: bool) -> Any:
     return llm.collective_rpc(fn)[0]
 
 
+def shut_down(llm: Any) -> None:
+    """Stop the engine and wait for its process to exit, so the next configuration's engine finds the GPU memory
+    free (vLLM would otherwise stop it only at interpreter exit)."""
+    llm.llm_engine.engine_core.shutdown(timeout=60)
+
+
 class StepClock:
     """Records when the model runner starts each step (wraps the instance's ``execute_model``)."""
 

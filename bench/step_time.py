@@ -35,7 +35,15 @@ from pathlib import Path
 from typing import Any
 
 from child_rows import result_rows
-from engine_probes import engine_process_env, install_probes, read_probes, run_on_worker, start_profiler, stop_profiler
+from engine_probes import (
+    engine_process_env,
+    install_probes,
+    read_probes,
+    run_on_worker,
+    shut_down,
+    start_profiler,
+    stop_profiler,
+)
 
 DRAFT_LAYERS = 2
 DRAFT_BLOCK = 16
@@ -135,6 +143,7 @@ def run_one(args: argparse.Namespace) -> None:
                    "verify_graph_replays": counts[1] if v2 else None,
                    "draft_graph_replays": counts[2] if v2 and spec else None}
             print("RESULT " + json.dumps(row), flush=True)
+    shut_down(llm)
 
 
 def main() -> None:
