@@ -1,4 +1,5 @@
-"""bench/step_time.py's report: rounds of the same configuration combine into one row, ratios use the medians."""
+"""bench/step_time.py's report (rounds combine into one row, ratios use the medians) and the probes the benches
+install in the engine's process."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
@@ -33,3 +36,25 @@ def test_rounds_combine_to_their_median_and_ratios_use_it(tmp_path: Path) -> Non
     assert by_method["dflash-v1"]["verify_graph_replays"] is None
     written = json.loads(args.out.read_text())
     assert written["rounds"] == 3 and written["rows"] == table
+
+
+@pytest.mark.e2e
+def test_probes_reach_the_engine_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The benches' step clock works where vLLM runs the model (a separate engine process, as when serving)."""
+    from engine_probes import engine_process_env, install_probes, read_probes, run_on_worker, shut_down
+    from vllm import LLM, SamplingParams
+
+    from vllm_ddtree import tiny_models
+
+    for key, value in {**engine_process_env(inline=False), "VLLM_CPU_KVCACHE_SPACE": "1"}.items():
+        monkeypatch.setenv(key, value)
+    target = tiny_models.write_target(tmp_path / "target")
+    llm = LLM(model=str(target), skip_tokenizer_init=True, max_model_len=256, dtype="float32", max_num_seqs=2,
+              max_num_batched_tokens=256, seed=0)  # fmt: skip
+    run_on_worker(llm, install_probes, inline=False)
+    llm.generate([{"prompt_token_ids": list(range(2, 30))}], SamplingParams(max_tokens=12, ignore_eos=True))
+    starts, verify, draft = run_on_worker(llm, read_probes, inline=False)
+    assert len(starts) >= 12 and starts == sorted(starts)
+    assert verify == draft == 0  # a V1 runner has no graph manager to count
+    assert run_on_worker(llm, read_probes, inline=False)[0] == []  # a read resets the clock
+    shut_down(llm)
