@@ -79,17 +79,14 @@ def _decode(llm: object, prompts: list[dict], params: object, batch: int) -> lis
 def _warm_up(llm: object, prompts: list[dict], params: object, batch: int, reference: bool) -> list[list[float]]:
     """One untimed pass; for the reference (no speculation) with ``logprobs=2``, returning each position's gap
     between the best and the runner-up token (``vllm_ddtree.greedy_equality``)."""
-    from vllm_ddtree.greedy_equality import top2_gaps
+    from vllm_ddtree.greedy_equality import greedy_with_gaps
 
     if not reference:
         _decode(llm, prompts, params, batch)
         return []
     params = params.clone()
     params.logprobs = 2
-    gaps: list[list[float]] = []
-    for i in range(0, len(prompts), batch):
-        gaps += [top2_gaps(o.outputs[0].logprobs) for o in llm.generate(prompts[i : i + batch], params, use_tqdm=False)]
-    return gaps
+    return greedy_with_gaps(llm, prompts, params, batch)[1]
 
 
 def run_one(args: argparse.Namespace) -> None:

@@ -35,16 +35,10 @@ def generate_with_margins(llm, batch_prompts: list[dict], batch: int) -> tuple[l
     """Greedy tokens and, per position, the log-prob gap between the chosen token and the runner-up."""
     from vllm import SamplingParams
 
-    from vllm_ddtree.greedy_equality import top2_gaps
+    from vllm_ddtree.greedy_equality import greedy_with_gaps
 
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
-    tokens: list[list[int]] = []
-    gaps: list[list[float]] = []
-    for i in range(0, len(batch_prompts), batch):
-        for out in llm.generate(batch_prompts[i : i + batch], sp, use_tqdm=False):
-            tokens.append(list(out.outputs[0].token_ids))
-            gaps.append(top2_gaps(out.outputs[0].logprobs))
-    return tokens, gaps
+    return greedy_with_gaps(llm, batch_prompts, sp, batch)
 
 
 def assert_equal_up_to_near_ties(label: str, got: list[list[int]], want: list[list[int]],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from vllm_ddtree.greedy_equality import NEAR_TIE, compare_greedy, top2_gaps
+from vllm_ddtree.greedy_equality import NEAR_TIE, compare_greedy, greedy_with_gaps, top2_gaps
 
 
 def test_top2_gaps_from_vllm_logprobs() -> None:
@@ -13,6 +13,21 @@ def test_top2_gaps_from_vllm_logprobs() -> None:
                                                                                    2: lp(logprob=-0.7)}]  # fmt: skip
     gaps = top2_gaps(positions)
     assert gaps[0] == 2.5 and gaps[1] == float("inf") and abs(gaps[2] - 2.3) < 1e-9
+
+
+def test_greedy_with_gaps_batches_the_prompts_and_keeps_their_order() -> None:
+    lp = SimpleNamespace
+    calls = []
+
+    class FakeLLM:
+        def generate(self, chunk, params, use_tqdm):
+            calls.append(len(chunk))
+            return [lp(outputs=[lp(token_ids=(p, p + 1), logprobs=[{p: lp(logprob=-0.5), 0: lp(logprob=-1.5)}] * 2)])
+                    for p in chunk]  # fmt: skip
+
+    tokens, gaps = greedy_with_gaps(FakeLLM(), [10, 20, 30], params=None, batch=2)
+    assert calls == [2, 1]
+    assert tokens == [[10, 11], [20, 21], [30, 31]] and gaps == [[1.0, 1.0]] * 3
 
 
 def test_divergences_are_classified_by_the_reference_gap_where_they_start() -> None:

@@ -3,9 +3,9 @@
 The DDTree drafter needs, at every depth, the k most likely tokens and their log-probs. ``logits.topk`` plus a
 ``logsumexp`` is a radix select and several more full passes over the vocabulary: in an H200 profile (batch 16 x 15
 depths, 163,840 tokens) the topk alone took 0.41 ms per drafter step and the logsumexp passes ~0.2 ms, about what a
-ddtree step then cost over a chain step of the same width. Here one pass
-reads the logits once: every program takes a vocabulary slice and writes the slice's top-k and its (max, sum of exp);
-a second launch merges the slices of each row. Static grid, no host reads, so it runs inside the drafter's FULL CUDA
+ddtree step then cost over a chain step of the same width. Here one pass reads the logits once: every program takes
+a vocabulary slice and writes the slice's top-k and its (max, sum of exp); a second launch merges the slices of each
+row. Static grid, no host reads, so it runs inside the drafter's FULL CUDA
 graph. Ties go to the lower token id (``topk_logprobs_reference`` is the same rule in torch: a stable sort).
 """
 

@@ -24,6 +24,19 @@ def top2_gaps(logprobs: Sequence[Mapping[int, Any]]) -> list[float]:
     return gaps
 
 
+def greedy_with_gaps(llm: Any, prompts: Sequence[Any], params: Any,
+                     batch: int) -> tuple[list[list[int]], list[list[float]]]:
+    """The reference side of ``compare_greedy``: ``llm.generate`` over ``prompts`` in batches of ``batch`` with
+    ``params`` (greedy, ``logprobs=2``), each sequence's tokens and its per-position ``top2_gaps``."""
+    tokens: list[list[int]] = []
+    gaps: list[list[float]] = []
+    for i in range(0, len(prompts), batch):
+        for out in llm.generate(prompts[i : i + batch], params, use_tqdm=False):
+            tokens.append(list(out.outputs[0].token_ids))
+            gaps.append(top2_gaps(out.outputs[0].logprobs))
+    return tokens, gaps
+
+
 @dataclass
 class GreedyComparison:
     """How ``got`` compares with the reference ``want``, sequence by sequence."""
