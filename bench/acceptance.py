@@ -6,8 +6,9 @@ held-out stdlib stream, never trained on). Reported per configuration: mean acce
 drafts, vLLM's own counters), output tokens per second, how many sequences equal the no-speculation output, and
 where the others first leave it: at a near-tie of the reference (its top two tokens within 1 nat, a bf16 rounding
 flip) or elsewhere (a real difference; ``vllm_ddtree.greedy_equality``).
-Each batch size runs the prompts twice and times the second pass, so one-off costs (Triton compiles of first-seen
-shapes, lazy allocations) stay out of the numbers; prefix caching is off, so both passes prefill.
+Each batch size runs the prompts once untimed, so one-off costs (Triton compiles of first-seen shapes, lazy
+allocations) stay out of the numbers, then ``--passes`` timed passes whose median is reported (a batch-16 pass lasts
+well under a second, so one host hiccup would otherwise move it by 3x); prefix caching is off, so every pass prefills.
 
 On a GPU the engines run Model Runner V2 in bf16 with FULL decode CUDA graphs (no torch.compile); on vLLM-CPU
 (V1, GQA pair only) in float32, where greedy equality is exact. One process per engine, and its engine core in
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -114,9 +116,12 @@ def run_one(args: argparse.Namespace) -> None:
         gaps = _warm_up(llm, prompts, params, batch, reference=spec is None)
         before = _counters(llm)
         run_on_worker(llm, read_probes, inline=False)
-        start = time.perf_counter()
-        tokens = _decode(llm, prompts, params, batch)
-        wall = time.perf_counter() - start
+        walls = []
+        for _ in range(args.passes):
+            start = time.perf_counter()
+            tokens = _decode(llm, prompts, params, batch)
+            walls.append(time.perf_counter() - start)
+        wall = statistics.median(walls)
         after = _counters(llm)
         _, verify_replays, draft_replays = run_on_worker(llm, read_probes, inline=False)
         drafts = after.get("vllm:spec_decode_num_drafts", 0) - before.get("vllm:spec_decode_num_drafts", 0)
@@ -126,7 +131,7 @@ def run_one(args: argparse.Namespace) -> None:
         row = {"pair": args.pair, "method": args.method, "budget": args.budget, "batch": batch,
                "device": torch.cuda.get_device_name() if gpu else "cpu", "dtype": "bfloat16" if gpu else "float32",
                "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else 1.0,
-               "tok_per_s": round(len(tokens) * args.max_tokens / wall, 1), "wall_s": round(wall, 3),
+               "tok_per_s": round(len(tokens) * args.max_tokens / wall, 1), "wall_s": [round(w, 3) for w in walls],
                "verify_graph_replays": verify_replays, "draft_graph_replays": draft_replays,
                "tokens": tokens, "gaps": gaps}  # fmt: skip
         print("RESULT " + json.dumps(row), flush=True)
@@ -164,6 +169,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--passes", type=int, default=3, help="timed passes per batch size (median reported)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "acceptance.json")
     parser.add_argument("--write-prompts", action="store_true", help="regenerate models/heldout_prompts.json")
     parser.add_argument("--one", nargs=3, metavar=("PAIR", "METHOD", "BUDGET"), help=argparse.SUPPRESS)
@@ -181,7 +187,8 @@ def main() -> None:
     for pair in args.pairs:
         for method, budget in configs:
             cmd = [sys.executable, __file__, "--one", pair, method, str(budget), "--prompts", str(args.prompts),
-                   "--max-tokens", str(args.max_tokens), "--batches", *map(str, args.batches)]  # fmt: skip
+                   "--max-tokens", str(args.max_tokens), "--passes", str(args.passes),
+                   "--batches", *map(str, args.batches)]  # fmt: skip
             env = dict(os.environ, **engine_process_env(inline=False), HF_HUB_OFFLINE="1")
             for row in result_rows(cmd, f"{pair} {method} {budget}", env):
                 rows.append(row)

@@ -12,8 +12,10 @@ from typing import Any
 
 
 def engine_process_env(inline: bool) -> dict[str, str]:
-    """Environment for an engine whose worker the probes can reach (set before vLLM builds the engine)."""
-    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if inline else "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    """Environment for an engine whose worker the probes can reach (set before vLLM builds the engine). The engine
+    process is spawned, not forked: the bench has touched CUDA by then, and a forked child cannot use it."""
+    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if inline else "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+            "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
 
 
 def run_on_worker(llm: Any, fn: Any, inline: bool) -> Any:
