@@ -1,46 +1,92 @@
 #!/usr/bin/env bash
-# The README's H200 measurements in stages that each fit one device call (< 10 min): with two GPUs visible the two
-# halves of a stage run side by side, one per GPU, otherwise one after the other. Each bench is cut off at 560 s
-# (its JSON is written row by row, so a cut-off keeps what finished). JSON and logs go to ${OUT:-/tmp/ddtree-gpu}.
-#   bash scripts/gpu-measure.sh step-a       # budgets 8 16: Qwen3-4B geometry | Kimi-K2-attention MLA (+ V1 chain)
-#   bash scripts/gpu-measure.sh step-b       # budgets 32 63, the same two targets
-#   bash scripts/gpu-measure.sh acceptance   # embedded pairs, budgets 8 16 32 63: MLA | GQA
-#   bash scripts/gpu-measure.sh ops          # tree ops incl. the drafter top-k, and the MLA kernel vs baselines
+# The README's H200 measurements as a queue of stages. Each stage has two halves; with two GPUs the halves run side
+# by side, one lane per GPU, otherwise one after the other. Every bench and test is cut off at 560 s (bench JSON is
+# written row by row, so a cut-off keeps what finished). Results and logs go to $RESULTS (/tmp/ddtree-gpu).
+#   bash scripts/gpu-measure.sh STAGE...                 # run the stages now and wait
+#   bash scripts/gpu-measure.sh --background STAGE...    # start them in their own session and return at once
+#   bash scripts/gpu-measure.sh poll SECONDS             # wait, then print progress and pack $RESULTS
+# Stages:
+#   step-a       budgets 8 16: Qwen3-4B geometry | Kimi-K2-attention MLA (+ V1 chain)
+#   step-b       budgets 32 63, the same two targets
+#   acceptance   embedded pairs, budgets 8 16 32 63: GQA | MLA
+#   ops          tree ops incl. the drafter top-k | the MLA kernel vs baselines
+#   tests        the gpu-marked tests: end to end + top-k | kernels and backends
+# The background form outlives the command that started it (a new process session), so a remote command of limited
+# length can start a long queue and later ones can poll it; poll packs everything into $OUT/results.tgz when $OUT is
+# set (one file: remote runners may return only a few).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-OUT="${OUT:-/tmp/ddtree-gpu}"
-mkdir -p "$OUT"
-bash "$ROOT/scripts/gpu-check.sh" --install-only || exit 1
-export VLLM_USE_FLASHINFER_SAMPLER="${VLLM_USE_FLASHINFER_SAMPLER:-0}" HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}"
+RESULTS="${RESULTS:-/tmp/ddtree-gpu}"
+export VLLM_USE_FLASHINFER_SAMPLER="${VLLM_USE_FLASHINFER_SAMPLER:-0}" HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" RESULTS
 cd "$ROOT"
-GPUS=$(nvidia-smi -L | wc -l)
 
-# run NAME ARGS...: python3 ARGS with a 560 s cut-off, output in $OUT/NAME.log
-run() { local name=$1; shift; timeout 560 python3 "$@" > "$OUT/$name.log" 2>&1; echo "$name: rc $?"; }
-
-# halves "A" "B": two run-commands, on GPU 0 and GPU 1 at once when there are two GPUs
-halves() {
-  if [ "$GPUS" -ge 2 ]; then
-    (export CUDA_VISIBLE_DEVICES=0; eval "$1") & (export CUDA_VISIBLE_DEVICES=1; eval "$2") & wait
-  else
-    eval "$1"; eval "$2"
-  fi
+# jobs STAGE: one line per job, "LANE NAME ARGS..." (python3 ARGS; LANE 0 or 1)
+jobs_of() {
+  local r=$RESULTS tag budgets
+  case "$1" in
+    step-a|step-b)
+      tag=${1#step-}; budgets="8 16"; [ "$1" = step-b ] && budgets="32 63"
+      echo "0 step_qwen3_$tag bench/step_time.py --target qwen3-4b --budgets $budgets --out $r/step_qwen3_$tag.json"
+      echo "1 step_kimi_$tag bench/step_time.py --target kimi-mla --configs none dflash dflash-v1 ddtree" \
+           "--budgets $budgets --out $r/step_kimi_$tag.json" ;;
+    acceptance)
+      echo "0 acc_gqa bench/acceptance.py --pairs gqa --out $r/acc_gqa.json"
+      echo "1 acc_mla bench/acceptance.py --pairs mla --out $r/acc_mla.json" ;;
+    ops)
+      echo "0 tree_ops bench/tree_ops.py --out $r/tree_ops.json"
+      echo "1 kernel_mla bench/kernel_mla.py --baselines --variants auto --out $r/kernel_mla.json" ;;
+    tests)
+      echo "0 tests_e2e -m pytest -q -s -m gpu -p no:cacheprovider tests/test_ddtree_gpu_e2e.py tests/test_draft_topk.py"
+      echo "1 tests_kernels -m pytest -q -s -m gpu -p no:cacheprovider --ignore tests/test_ddtree_gpu_e2e.py" \
+           "--ignore tests/test_draft_topk.py tests" ;;
+    *) echo "unknown stage '$1': step-a, step-b, acceptance, ops or tests" >&2; return 2 ;;
+  esac
 }
 
+# lane N STAGE...: this lane's jobs of every stage, in order (all jobs when there is one GPU)
+lane() {
+  local n=$1 gpus stage l name start rc; shift
+  gpus=$(nvidia-smi -L | wc -l)
+  for stage in "$@"; do
+    while read -r l name args; do
+      [ "$gpus" -ge 2 ] && [ "$l" != "$n" ] && continue
+      start=$(date +%s)
+      # shellcheck disable=SC2086
+      timeout -k 20 560 python3 $args > "$RESULTS/$name.log" 2>&1 < /dev/null
+      rc=$?
+      echo "$name: rc $rc, $(( $(date +%s) - start )) s" >> "$RESULTS/done"
+    done < <(jobs_of "$stage")
+  done
+  echo "lane $n finished" >> "$RESULTS/done"
+}
+
+pack() { [ -n "${OUT:-}" ] && [ "$OUT" != "$RESULTS" ] && tar czf "$OUT/results.tgz" -C "$RESULTS" . 2>/dev/null; true; }
+
 case "${1:-}" in
-  step-a|step-b)
-    budgets="8 16"; [ "$1" = step-b ] && budgets="32 63"
-    tag=${1#step-}
-    halves "run step_qwen3_$tag bench/step_time.py --target qwen3-4b --budgets $budgets --out $OUT/step_qwen3_$tag.json" \
-           "run step_kimi_$tag bench/step_time.py --target kimi-mla --configs none dflash dflash-v1 ddtree --budgets $budgets --out $OUT/step_kimi_$tag.json"
-    tail -n 20 "$OUT"/step_*_"$tag".log ;;
-  acceptance)
-    halves "run acc_mla bench/acceptance.py --pairs mla --out $OUT/acc_mla.json" \
-           "run acc_gqa bench/acceptance.py --pairs gqa --out $OUT/acc_gqa.json"
-    tail -n 14 "$OUT"/acc_*.log ;;
-  ops)
-    run tree_ops bench/tree_ops.py --out "$OUT/tree_ops.json"
-    run kernel_mla bench/kernel_mla.py --baselines --variants auto --out "$OUT/kernel_mla.json"
-    tail -n 9 "$OUT/tree_ops.log" "$OUT/kernel_mla.log" ;;
-  *) echo "usage: bash scripts/gpu-measure.sh step-a|step-b|acceptance|ops" >&2; exit 2 ;;
+  poll)
+    sleep "${2:-60}"
+    cat "$RESULTS/done" 2>/dev/null
+    nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader
+    for f in "$RESULTS"/*.log; do [ -f "$f" ] && { echo "== $(basename "$f")"; tail -n 3 "$f" | cut -c1-200; }; done
+    pack ;;
+  lane) shift; lane "$@" ;;
+  "") sed -n '2,16p' "$0" >&2; exit 2 ;;
+  *)
+    background=0; [ "$1" = --background ] && { background=1; shift; }
+    for stage in "$@"; do jobs_of "$stage" > /dev/null || exit 2; done
+    mkdir -p "$RESULTS"
+    echo "--- $(date +%T) $*" >> "$RESULTS/done"
+    bash "$ROOT/scripts/gpu-check.sh" --install-only || exit 1
+    lanes=1; [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && lanes=2
+    for ((n = 0; n < lanes; n++)); do
+      if [ $background = 1 ]; then
+        CUDA_VISIBLE_DEVICES=$n setsid nohup bash "$0" lane $n "$@" > "$RESULTS/lane$n.out" 2>&1 < /dev/null &
+      else
+        CUDA_VISIBLE_DEVICES=$n bash "$0" lane $n "$@" > "$RESULTS/lane$n.out" 2>&1 &
+      fi
+    done
+    if [ $background = 1 ]; then echo "started $lanes lane(s): $*; results in $RESULTS"; exit 0; fi
+    wait
+    cat "$RESULTS/done"
+    pack ;;
 esac
