@@ -40,9 +40,21 @@ CASES = [  # (rows, vocab, k, dtype, ties)
 ]
 
 
+def flat_logits() -> torch.Tensor:
+    """Rows of equal logits (0.0 and -0.0 alike), so only the lowest ids may win, and rows with few finite ones."""
+    x = torch.zeros(3, 5000)
+    x[0, 1::3] = -0.0
+    x[1, ::2] = float("-inf")
+    x[2, :4990] = float("-inf")  # ten finite tokens, all in the last slice
+    return x
+
+
 def check(device: str, fast: Callable = topk_logprobs) -> None:
-    for seed, (rows, vocab, k, dtype, ties) in enumerate(CASES):
-        logits = random_logits(seed, rows, vocab, dtype, ties).to(device)
+    cases = [(random_logits(seed, rows, vocab, dtype, ties), k)
+             for seed, (rows, vocab, k, dtype, ties) in enumerate(CASES)]  # fmt: skip
+    cases += [(flat_logits(), 8), (flat_logits().bfloat16(), 16)]
+    for seed, (logits, k) in enumerate(cases):
+        logits = logits.to(device)
         want_lp, want_ids = topk_logprobs_reference(logits.cpu(), k)
         got_lp, got_ids = fast(logits, k)
         assert got_lp.dtype == torch.float32 and got_ids.dtype == torch.int64
@@ -71,8 +83,9 @@ INTERPRETER_CHECK = textwrap.dedent(
     from test_draft_topk import check
     import vllm_ddtree.draft_topk as draft_topk
 
-    draft_topk.MIN_SLICE = 1024  # several slices a row even for the small interpreter cases
-    check("cpu", lambda logits, k: draft_topk._fused(logits, k, *logits.shape))  # the Triton path on CPU tensors
+    for slice_len in (1024, 256):  # several slices a row even for the small cases
+        draft_topk.MIN_SLICE = slice_len
+        check("cpu", lambda logits, k: draft_topk._fused(logits, k, *logits.shape))  # the Triton path on CPU tensors
     """
 )
 

@@ -60,15 +60,16 @@ def test_move_path_rows_kernel_compiles(arch: int) -> None:
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("k", [1, 8, 16])
-def test_draft_topk_kernels_compile(arch: int, k: int) -> None:
+@pytest.mark.parametrize("logits", ["*bf16", "*fp32"])
+def test_draft_topk_kernels_compile(arch: int, k: int, logits: str) -> None:
     import triton
 
     from vllm_ddtree.draft_topk import MIN_SLICE, _merge_topk_kernel, _slice_topk_kernel
 
     kp = triton.next_power_of_2(k)
-    signature = {"logits": "*bf16", "row_stride": "i32", "vocab": "i32", "part_vals": "*fp32", "part_ids": "*i32",
+    signature = {"logits": logits, "row_stride": "i32", "vocab": "i32", "part_vals": "*fp32", "part_ids": "*i32",
                  "part_stats": "*fp32", "num_slices": "i32"}  # fmt: skip
-    constexprs = {"K": k, "KP": kp, "SLICE": MIN_SLICE}
+    constexprs = {"K": k, "KP": kp, "SLICE": MIN_SLICE, "WIDE": logits == "*fp32"}
     _check(_compile(_slice_topk_kernel, signature, constexprs, arch, 8), f"topk slices k{k} sm_{arch}")
     signature = {"part_vals": "*fp32", "part_ids": "*i32", "part_stats": "*fp32", "num_slices": "i32", "vocab": "i32",
                  "out_logprobs": "*fp32", "out_ids": "*i64"}  # fmt: skip
