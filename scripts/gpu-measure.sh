@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The README's H200 measurements as a queue of stages. Each stage has two halves; with two GPUs the halves run side
-# by side, one lane per GPU, otherwise one after the other. Every bench and test is cut off at 560 s (bench JSON is
-# written row by row, so a cut-off keeps what finished). Results and logs go to $RESULTS (/tmp/ddtree-gpu).
+# by side, one lane per GPU, otherwise one after the other. Every bench and test is cut off after $JOB_TIMEOUT seconds
+# (560; bench JSON is written row by row, so a cut-off keeps what finished). Results and logs go to $RESULTS
+# (/tmp/ddtree-gpu).
 #   bash scripts/gpu-measure.sh STAGE...                 # run the stages now and wait
 #   bash scripts/gpu-measure.sh --background STAGE...    # start them in their own session and return at once
 #   bash scripts/gpu-measure.sh poll SECONDS             # wait, then print progress and pack $RESULTS
@@ -17,6 +18,7 @@
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 RESULTS="${RESULTS:-/tmp/ddtree-gpu}"
+JOB_TIMEOUT="${JOB_TIMEOUT:-560}"
 export VLLM_USE_FLASHINFER_SAMPLER="${VLLM_USE_FLASHINFER_SAMPLER:-0}" HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" RESULTS
 cd "$ROOT"
 
@@ -52,7 +54,7 @@ lane() {
       [ "$gpus" -ge 2 ] && [ "$l" != "$n" ] && continue
       start=$(date +%s)
       # shellcheck disable=SC2086
-      timeout -k 20 560 python3 $args > "$RESULTS/$name.log" 2>&1 < /dev/null
+      timeout -k 20 "$JOB_TIMEOUT" python3 $args > "$RESULTS/$name.log" 2>&1 < /dev/null
       rc=$?
       echo "$name: rc $rc, $(( $(date +%s) - start )) s" >> "$RESULTS/done"
     done < <(jobs_of "$stage")
