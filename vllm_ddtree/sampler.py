@@ -38,10 +38,11 @@ def node_choices(logits: torch.Tensor, rows_per_req: torch.Tensor, sampling_meta
     processed = apply_sampling_constraints(logits.float().clone(), cu_rows, sampling_metadata)
     probs = processed.softmax(dim=-1)
     noise = torch.empty_like(probs).exponential_()
-    starts = (cu_rows - rows_per_req.to(torch.int32)).tolist()
-    for req_index, generator in sampling_metadata.generators.items():
-        rows = slice(starts[req_index], starts[req_index] + int(rows_per_req[req_index]))
-        noise[rows].exponential_(generator=generator)
+    if sampling_metadata.generators:  # seeded requests draw from their own generators (a host read of the rows)
+        starts = (cu_rows - rows_per_req.to(torch.int32)).tolist()
+        for req_index, generator in sampling_metadata.generators.items():
+            rows = slice(starts[req_index], starts[req_index] + int(rows_per_req[req_index]))
+            noise[rows].exponential_(generator=generator)
     sampled = (probs / noise).argmax(dim=-1)
     temperature = sampling_metadata.temperature
     greedy_rows = torch.repeat_interleave(temperature < _SAMPLING_EPS, rows_per_req.to(temperature.device))
