@@ -90,7 +90,7 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs", "num_rows"])  # per-step counts: no recompile for a new value class
 def _gqa_tree_attn_kernel(
     q_ptr,
     kv_ptr,
@@ -216,7 +216,7 @@ def _gqa_tree_attn_kernel(
         tl.store(part_lse_ptr + slot, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs", "num_rows"])
 def _combine_kernel(
     part_out_ptr,
     part_lse_ptr,

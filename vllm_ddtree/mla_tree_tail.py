@@ -32,7 +32,7 @@ V_SPLITS = (1, 4, 8)  # output parts per row tile; 2 would spill registers on sm
 TARGET_PROGRAMS = 256  # split the output until the grid has about this many programs
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_po_b", "s_pl_b", "s_pl_h"])  # move with the step's query length: no recompiles
 def _mla_tree_tail_kernel(q_nope_ptr, q_pe_ptr, kv_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, bits_ptr, prefix_out_ptr,
                           prefix_lse_ptr, out_ptr, lse_ptr, qk_scale, s_qn_t, s_qn_h, s_qp_t, s_qp_h, s_blk, s_tok,
                           s_bt, s_po_b, s_po_q, s_po_h, s_pl_b, s_pl_h, s_pl_q, s_o_t, s_o_h, s_l_t,
