@@ -31,7 +31,14 @@ import time
 from pathlib import Path
 
 from child_rows import result_rows
-from engine_probes import engine_process_env, install_probes, read_probes, run_on_worker, shut_down
+from engine_probes import (
+    engine_process_env,
+    full_graph_sizes,
+    install_probes,
+    read_probes,
+    run_on_worker,
+    shut_down,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 PAIRS = {"gqa": ("stdlib-qwen3-tiny", "stdlib-qwen3-tiny-dflash"), "mla": ("stdlib-mla-tiny", "stdlib-mla-tiny-dflash")}
@@ -50,15 +57,14 @@ def write_prompts(n: int = 64, length: int = 64) -> None:
     print(f"{n} prompts of {length} tokens -> {PROMPTS}")
 
 
-def engine_kwargs(gpu: bool, max_batch: int, width: int, draft_width: int) -> dict:
-    """Every decode batch of 1..max_batch requests gets a FULL graph for its verify (``width`` tokens a request) and
-    its drafter step (``draft_width``; ddtree's drafter runs 1 + depth tokens whatever the budget). vLLM's default
-    capture sizes stop at 512 tokens, so budget 63 at batch 16 would verify eagerly."""
+def engine_kwargs(gpu: bool, max_batch: int, sizes: list[int]) -> dict:
+    """Every decode batch of 1..max_batch requests gets a FULL graph for its verify and its drafter step (``sizes``:
+    ``full_graph_sizes``). vLLM's default capture sizes stop at 512 tokens, so budget 63 at batch 16 would verify
+    eagerly."""
     common = dict(max_model_len=512, max_num_seqs=max_batch, seed=0, disable_log_stats=False,
                   enable_prefix_caching=False)  # the timed pass prefills like the warm-up pass did
     if not gpu:
         return dict(common, dtype="float32", max_num_batched_tokens=512)
-    sizes = sorted({n * w for n in range(1, max_batch + 1) for w in (width, draft_width)})
     return dict(common, dtype="bfloat16", gpu_memory_utilization=0.1,
                 compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": sizes})
 
@@ -105,9 +111,9 @@ def run_one(args: argparse.Namespace) -> None:
     if args.method != "none":
         spec = {"method": args.method, "model": drafter, "num_speculative_tokens": args.budget,
                 "draft_load_config": {"load_format": "safetensors"}}  # fmt: skip
-    width = 1 + args.budget if spec else 1
-    draft_width = 1 + min(args.budget, _drafter_block(drafter) - 1) if args.method == "ddtree" else width
-    llm = LLM(model=target, speculative_config=spec, **engine_kwargs(gpu, max(args.batches), width, draft_width))
+    method = None if args.method == "none" else args.method
+    sizes = full_graph_sizes(range(1, max(args.batches) + 1), method, args.budget, _drafter_block(drafter))
+    llm = LLM(model=target, speculative_config=spec, **engine_kwargs(gpu, max(args.batches), sizes))
     run_on_worker(llm, install_probes, inline=False)
     prompts = [{"prompt_token_ids": p} for p in json.loads(PROMPTS.read_text())[: args.prompts]]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)

@@ -1,4 +1,5 @@
-"""Probes the benches install where vLLM's model runner lives: a step clock, FULL-graph replay counters, a profiler.
+"""How the benches set up vLLM's engine and the probes they install where its model runner lives: the FULL-graph
+capture sizes, a step clock, FULL-graph replay counters, a profiler.
 
 The benches run the engine core in its own process, as ``vllm serve`` does, so the probes travel there as functions
 through ``LLM.collective_rpc`` (which vLLM accepts only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``); with
@@ -8,6 +9,7 @@ through ``LLM.collective_rpc`` (which vLLM accepts only with ``VLLM_ALLOW_INSECU
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from typing import Any
 
 
@@ -16,6 +18,15 @@ def engine_process_env(inline: bool) -> dict[str, str]:
     process is spawned, not forked: the bench has touched CUDA by then, and a forked child cannot use it."""
     return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if inline else "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
             "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+
+
+def full_graph_sizes(batches: Iterable[int], method: str | None, budget: int, drafter_block: int) -> list[int]:
+    """Token counts to capture FULL graphs for, so every decode step of the given batch sizes replays one: the verify
+    width (1 + budget with speculation) and the drafter's (ddtree's drafter runs 1 + depth tokens a request whatever
+    the budget; vLLM's chain drafter runs the verify width)."""
+    width = 1 + budget if method else 1
+    draft_width = 1 + min(budget, drafter_block - 1) if method == "ddtree" else width
+    return sorted({n * w for n in batches for w in (width, draft_width)})
 
 
 def run_on_worker(llm: Any, fn: Any, inline: bool) -> Any:

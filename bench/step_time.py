@@ -37,6 +37,7 @@ from typing import Any
 from child_rows import result_rows
 from engine_probes import (
     engine_process_env,
+    full_graph_sizes,
     install_probes,
     read_probes,
     run_on_worker,
@@ -99,9 +100,6 @@ def run_one(args: argparse.Namespace) -> None:
 
     target, drafter = write_models(Path(args.workdir), args.target)
     width = 1 + args.budget if spec_method else 1
-    # ddtree's drafter runs 1 + depth query tokens per request whatever the budget; both need graphs at every batch.
-    draft_width = 1 + min(args.budget, DRAFT_BLOCK - 1) if spec_method == "ddtree" else width
-    sizes = sorted({b * w for b in args.batches for w in (width, draft_width)})
     spec = None
     if spec_method:
         spec = {"method": spec_method, "model": str(drafter), "num_speculative_tokens": args.budget}
@@ -110,7 +108,8 @@ def run_one(args: argparse.Namespace) -> None:
         max_model_len=max(args.contexts) + 512, max_num_seqs=max(args.batches), gpu_memory_utilization=0.85,
         speculative_config=spec, enable_prefix_caching=True, attention_backend=backend,
         compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
-                            "cudagraph_capture_sizes": sizes},
+                            "cudagraph_capture_sizes": full_graph_sizes(args.batches, spec_method, args.budget,
+                                                                        DRAFT_BLOCK)},
     )  # fmt: skip
 
     def on_worker(fn: Any) -> Any:
