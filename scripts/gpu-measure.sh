@@ -45,13 +45,12 @@ jobs_of() {
   esac
 }
 
-# lane N STAGE...: this lane's jobs of every stage, in order (all jobs when there is one GPU)
+# lane N LANES STAGE...: this lane's jobs of every stage, in order (all jobs when there is one lane)
 lane() {
-  local n=$1 gpus stage l name start rc; shift
-  gpus=$(nvidia-smi -L | wc -l)
+  local n=$1 lanes=$2 stage l name start rc; shift 2
   for stage in "$@"; do
     while read -r l name args; do
-      [ "$gpus" -ge 2 ] && [ "$l" != "$n" ] && continue
+      [ "$lanes" -ge 2 ] && [ "$l" != "$n" ] && continue
       start=$(date +%s)
       # shellcheck disable=SC2086
       timeout -k 20 "$JOB_TIMEOUT" python3 $args > "$RESULTS/$name.log" 2>&1 < /dev/null
@@ -82,9 +81,9 @@ case "${1:-}" in
     lanes=1; [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && lanes=2
     for ((n = 0; n < lanes; n++)); do
       if [ $background = 1 ]; then
-        CUDA_VISIBLE_DEVICES=$n setsid nohup bash "$0" lane $n "$@" > "$RESULTS/lane$n.out" 2>&1 < /dev/null &
+        CUDA_VISIBLE_DEVICES=$n setsid nohup bash "$0" lane $n $lanes "$@" > "$RESULTS/lane$n.out" 2>&1 < /dev/null &
       else
-        CUDA_VISIBLE_DEVICES=$n bash "$0" lane $n "$@" > "$RESULTS/lane$n.out" 2>&1 &
+        CUDA_VISIBLE_DEVICES=$n bash "$0" lane $n $lanes "$@" > "$RESULTS/lane$n.out" 2>&1 &
       fi
     done
     if [ $background = 1 ]; then echo "started $lanes lane(s): $*; results in $RESULTS"; exit 0; fi
