@@ -150,7 +150,9 @@ def hopper_split_time(q: torch.Tensor, caches: list, tables: list, B: int, L: in
 
 
 def time_shape(B: int, L: int, H: int, N: int, page: int, fp8: bool, rotate: int, reps: int,
-               baselines: bool = False) -> dict:
+               baselines: dict | None = None) -> dict:
+    """Our kernel on one shape; ``baselines`` (a dict, filled on the first variant of the shape and reused by the
+    next) adds the baseline timings and our ratios to them."""
     from vllm_ddtree.ops import mla_tree_verify
 
     rng = random.Random(0)
@@ -180,8 +182,10 @@ def time_shape(B: int, L: int, H: int, N: int, page: int, fp8: bool, rotate: int
     kv_bytes = B * L * 576 * (1 if fp8 else 2)
     row = dict(B=B, L=L, H=H, N=N, page=page, fp8=fp8, us=round(us, 2), tflops=round(flops / us / 1e6, 1),
                kv_gbs=round(kv_bytes / us / 1e3, 1), variant=os.environ.get("DDTREE_MLA_VARIANT", "auto"))
-    if baselines and not fp8:
-        row.update(baseline_times(q, caches, tables, B, L, H, N, page, bits, reps))
+    if baselines is not None and not fp8:
+        if not baselines:
+            baselines.update(baseline_times(q, caches, tables, B, L, H, N, page, bits, reps))
+        row.update(baselines)
         row["x_vs_triton"] = round(row["triton_mla_us"] / us, 2)
         row["x_of_flashmla"] = round(row["flashmla_causal_us"] / us, 2)
         row["hopper_x_vs_triton"] = round(row["triton_mla_us"] / row["ours_hopper_us"], 2)
@@ -199,15 +203,21 @@ def main() -> None:
                     help="comma list: auto (resident-V where smem allows, e.g. sm_90) and/or portable (sm_120 config)")
     ap.add_argument("--fp8", action="store_true")
     ap.add_argument("--baselines", action="store_true", help="also time vLLM Triton MLA and FlashMLA (needs vLLM)")
+    ap.add_argument("--csrc", default="", help="build the kernel from this source tree instead (A/B timing of a "
+                    "kernel change: run once per tree, same machine, back to back)")
     args = ap.parse_args()
+    if args.csrc:
+        os.environ["VLLM_DDTREE_CSRC"] = str(Path(args.csrc).resolve())
     bw = copy_bandwidth_gbs()
     rows = []
     print(f"{torch.cuda.get_device_name()}  copy bandwidth {bw:.0f} GB/s")
+    shape_baselines: dict = {shape: {} for shape in SHAPES}
     print(f"{'variant':>8} {'B':>3} {'L':>7} {'H':>4} {'N':>3} {'us':>9} {'TFLOP/s':>8} {'KV GB/s':>8} {'%copyBW':>7}")
     for var in args.variants.split(","):
         os.environ["DDTREE_MLA_VARIANT"] = var
         for B, L, H, N in SHAPES:
-            r = time_shape(B, L, H, N, args.page, args.fp8, args.rotate, args.reps, args.baselines and var == "auto")
+            r = time_shape(B, L, H, N, args.page, args.fp8, args.rotate, args.reps,
+                           shape_baselines[(B, L, H, N)] if args.baselines else None)
             r["pct_copy_bw"] = round(100 * r["kv_gbs"] / bw, 1)
             rows.append(r)
             print(f"{var:>8} {B:>3} {L:>7} {H:>4} {N:>3} {r['us']:>9.1f} {r['tflops']:>8.1f} {r['kv_gbs']:>8.0f} "
@@ -220,7 +230,8 @@ def main() -> None:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), copy_gbs=round(bw, 1), rotate=args.rotate,
-                           method="CUDA-graph replay, median over reps, per call", rows=rows), f, indent=1)
+                           method="CUDA-graph replay, median over reps, per call",
+                           csrc=os.environ.get("VLLM_DDTREE_CSRC", "repository"), rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,11 @@
 // One CTA owns 64 packed rows r = node*H + head of one request and streams that request's KV tiles (BN tokens)
 // through a cp.async ring of BN x 64-dim chunks: 9 K chunks feed S = Q K^T, then the same tokens' 8 V chunks
 // (the first 512 dims, re-read from L2) feed O += P V. Q (64 x 576 bf16 = 72 KB) stays resident in shared memory.
-// Warps: 4 row groups x 2 halves; for QK the half is a key half, for PV a 32-dim half of each V chunk, so every
-// warp works on every chunk and keeps O[16 x 256] in registers.
+// mma.sync reads every operand from shared memory per warp, so the warp tiles are chosen for fewer smem bytes per mma:
+// - QK: warp (row half rh, key half kq, k-step half dh) adds k-steps 2dh, 2dh+1 of every chunk into S[32 x BN/2];
+//   the dh pair then swaps 16-row blocks through shared memory and each keeps one block's full sums for the softmax.
+// - PV: warp (row half rh, dim quarter dq) owns O[32 rows x dims 16dq..16dq+15 of every 64-dim chunk] (128 fp32
+//   registers), so V is read by 2 warps instead of 4.
 // Split-KV: the device scheduler (mla_tree_verify_sched.cu) hands each part a list of pieces (request, tile range);
 // a request cut into several pieces writes normalized fp32 partials + base-2 lse, merged by the combine kernel.
 #include <cuda_bf16.h>
@@ -27,7 +30,8 @@ constexpr float kLn2 = 0.6931471805599453f;
 
 // VRES = false: portable (<= 99 KB): a ring of STAGES chunks; V chunks are fetched again (from L2).
 // VRES = true: large-smem GPUs (sm_90: 227 KB): STAGES whole tiles of 9 chunks stay resident, V is read from the
-// K chunks already in shared memory and the next tile streams in while this one is computed.
+// K chunks already in shared memory and the next tile streams in (issued at the start of this one) while this one is
+// computed; an fp8 tile is widened to bf16 once, at its start.
 template <int BN, int STAGES, bool FP8, bool VRES>
 struct KCfg {
   static constexpr int kThreads = 256;
@@ -40,7 +44,7 @@ struct KCfg {
   static constexpr int kOffConv = kOffRing + kRingChunks * kRawChunk;
   static constexpr int kOffP = kOffConv + (FP8 ? (VRES ? 9 : 1) * kBfChunk : 0);
   static constexpr int kOffRed = kOffP + kBM * kPStride * 2;
-  static constexpr int kSmem = kOffRed + 2 * kBM * 4;
+  static constexpr int kSmem = kOffRed + 4 * kBM * 4;  // row maxima / sums per key half, then alpha or 1/l per row
   static_assert(VRES || kSmem <= 101376, "portable path must fit sm_120's 99 KB per block");
   static_assert(!VRES || kSmem <= 232448, "resident-V path must fit sm_90's 227 KB per block");
   static_assert(!VRES || STAGES == 2, "resident-V path double-buffers whole tiles");
@@ -50,6 +54,10 @@ struct KCfg {
   static constexpr int kSteps = 17;  // 9 K chunks + 8 V chunks per tile
   static constexpr int kQKNT = BN / 16;  // 8-key n-tiles per warp in QK (warp covers BN/2 keys)
   static constexpr int kPVKS = BN / 16;  // 16-key k-steps in PV
+  // The S exchange: each warp hands its partner 16 rows x BN/2 keys of fp32 partial sums; one half of the warps
+  // writes into the chunk-8 buffer (dead once QK is done), the other into sP (written only after the exchange).
+  static constexpr int kExWarp = kQKNT * 4 * 32 * 4;
+  static_assert(4 * kExWarp <= kBfChunk && 4 * kExWarp <= kBM * kPStride * 2, "exchange halves must fit");
 };
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -120,10 +128,18 @@ __device__ __forceinline__ void fp8x16_to_bf16(const uint4 in, uint4 (&outv)[2])
 template <int BN, int STAGES, bool FP8, bool VRES>
 __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams p) {
   using C = KCfg<BN, STAGES, FP8, VRES>;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  if constexpr (VRES) {  // needs ~226 KB of shared memory per block: never launched before sm_90, so not built
+    __trap();
+    return;
+  }
+#endif
   extern __shared__ __align__(128) uint8_t smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int rg = warp >> 1, kh = warp & 1;  // row group (16 rows), key half (QK) / dim half (PV)
+  const int rh = warp & 1, kq = (warp >> 1) & 1, dh = warp >> 2;  // QK: row half, key half, k-step half
+  const int dq = warp >> 1;                                        // PV: dim quarter
   const int g = lane >> 2, q4 = lane & 3;
+  const int own0 = rh * 32 + dh * 16 + g, own1 = own0 + 8;  // the two rows whose softmax this thread keeps
   const int rt = blockIdx.x, part = blockIdx.y;
 
   const uint32_t sQ = smem_u32(smem);
@@ -131,7 +147,8 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
   const uint32_t sConv = smem_u32(smem + C::kOffConv);
   const uint32_t sPu = smem_u32(smem + C::kOffP);
   __nv_bfloat16* sP = reinterpret_cast<__nv_bfloat16*>(smem + C::kOffP);
-  float* red = reinterpret_cast<float*>(smem + C::kOffRed);
+  float* red = reinterpret_cast<float*>(smem + C::kOffRed);  // [2][kBM] per key half
+  float* srow = red + 2 * kBM;                                 // [kBM] alpha per tile, 1/l at the end
 
   SchedView sv(p.sched, p.B, p.num_parts);
   const int pc_begin = sv.part_begin[part], pc_end = sv.part_begin[part + 1];
@@ -214,17 +231,31 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
       }
     };
 
+    auto widen_chunk = [&](uint32_t src, uint32_t dst) {  // fp8 chunk -> swizzled bf16 chunk
+      if (tid < C::kUnits) {
+        const int r = tid / 4, u = tid % 4;
+        uint4 raw;
+        asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w)
+                     : "r"(src + r * 64 + u * 16));
+        uint4 w[2];
+        fp8x16_to_bf16(raw, w);
+        asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(dst + swz(r, 2 * u)), "r"(w[0].x), "r"(w[0].y),
+                     "r"(w[0].z), "r"(w[0].w));
+        asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(dst + swz(r, 2 * u + 1)), "r"(w[1].x),
+                     "r"(w[1].y), "r"(w[1].z), "r"(w[1].w));
+      }
+    };
+
     {
       int pages[C::kLoadIters];
       fetch_pages(t0, pages);
       set_rows(t0, pages);
     }
-    if constexpr (VRES) {  // prologue: all 9 chunks of tile t0, one group each (group 0 also holds Q)
+    if constexpr (VRES) {  // prologue: all 9 chunks of tile t0 in one group (with Q)
 #pragma unroll
-      for (int s = 0; s < 9; ++s) {
-        load_chunk(s, s);
-        cp_async_commit();
-      }
+      for (int s = 0; s < 9; ++s) load_chunk(s, s);
+      cp_async_commit();
       if (t0 + 1 < t1) fetch_pages(t0 + 1, nextpage);
     } else {
 #pragma unroll
@@ -234,58 +265,54 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
       }
     }
 
-    // ---- row state: 2 rows per thread (g and g+8 of the warp's 16-row group)
-    const int lrow0 = rg * 16 + g, lrow1 = lrow0 + 8;
-    uint64_t bits[2];
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int row = rt * kBM + (e ? lrow1 : lrow0);
-      bits[e] = row < rows ? static_cast<uint64_t>(p.tree_bits[q0 + row / p.H]) : ~0ull;
-    }
+    // ---- softmax state of the two kept rows (own0, own1; partial sums over this warp's key half)
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-    float o[8][4][4];
+    // O[vc][mi][nj]: rows rh*32 + mi*16 + (g, g+8), dims vc*64 + dq*16 + nj*8 + 2*q4 (+1)
+    float o[8][2][2][4];
 #pragma unroll
     for (int c = 0; c < 8; ++c)
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
+      for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) o[c][j][e] = 0.f;
+        for (int nj = 0; nj < 2; ++nj)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) o[c][mi][nj][e] = 0.f;
 
     int rd_slot = 0;
     for (int tile = t0; tile < t1; ++tile) {
       const int tslot = (tile - t0) & 1;  // VRES: which resident tile buffer holds this tile
       if constexpr (VRES) {
-        if (tile + 1 < t1) {  // this tile's K steps stream in the next tile
+        cp_async_wait<0>();
+        __syncthreads();  // this tile is in shared memory, and every warp is done with the other buffer
+        if (tile + 1 < t1) {  // the next tile streams in while this one is computed
           set_rows(tile + 1, nextpage);
+#pragma unroll
+          for (int s = 0; s < 9; ++s) load_chunk(s, (tslot ^ 1) * 9 + s);
+          cp_async_commit();
           if (tile + 2 < t1) fetch_pages(tile + 2, nextpage);  // used one tile later
+        }
+        if constexpr (FP8) {
+#pragma unroll 1
+          for (int cc = 0; cc < 9; ++cc) widen_chunk(sRing + (tslot * 9 + cc) * C::kRawChunk, sConv + cc * C::kBfChunk);
+          __syncthreads();
         }
       } else {
         if (tile + 1 < t1) fetch_pages(tile + 1, nextpage);  // used ~15 steps later
       }
-      float s[C::kQKNT][4];
+      float s[2][C::kQKNT][4];  // partial S over this warp's k-steps: rows rh*32 + mi*16, keys of half kq
 #pragma unroll
-      for (int j = 0; j < C::kQKNT; ++j)
+      for (int mi = 0; mi < 2; ++mi)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
-      uint32_t pa[C::kPVKS][4];
+        for (int j = 0; j < C::kQKNT; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[mi][j][e] = 0.f;
 
-#pragma unroll
-      for (int c = 0; c < C::kSteps; ++c) {
-        uint32_t buf;
-        bool convert = FP8;
+      // Shared-memory address of step c's bf16 chunk (steps 0..8: K chunks, 9..16: V chunks). The ring waits for
+      // the chunk, prefetches STAGES - 1 steps ahead and widens fp8; resident tiles are already in place.
+      auto step_buf = [&](int c) -> uint32_t {
         if constexpr (VRES) {
-          if (c < 9) {
-            // pending after chunk c of this tile: its chunks c+1..8 and the next tile's chunks 0..c-1
-            cp_async_wait<8>();
-            __syncthreads();
-            if (tile + 1 < t1) load_chunk(c, (tslot ^ 1) * 9 + c);
-            cp_async_commit();
-            buf = sRing + (tslot * 9 + c) * C::kRawChunk;
-          } else {
-            if (c == 9) __syncthreads();  // sP written by the softmax
-            buf = FP8 ? sConv + (c - 9) * C::kBfChunk : sRing + (tslot * 9 + c - 9) * C::kRawChunk;
-            convert = false;
-          }
+          const int kc = c < 9 ? c : c - 9;
+          return FP8 ? sConv + kc * C::kBfChunk : sRing + (tslot * 9 + kc) * C::kRawChunk;
         } else {
           cp_async_wait<STAGES - 2>();
           __syncthreads();
@@ -297,185 +324,229 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
             if (ltile < t1) load_chunk(lc < 9 ? lc : lc - 9, rd_slot == 0 ? STAGES - 1 : rd_slot - 1);
             cp_async_commit();
           }
-          buf = sRing + rd_slot * C::kRawChunk;
+          const uint32_t raw = sRing + rd_slot * C::kRawChunk;
           rd_slot = rd_slot + 1 == STAGES ? 0 : rd_slot + 1;
-        }
-        if (convert) {  // widen this chunk to bf16 once, for all warps
-          const uint32_t dstc = sConv + (VRES ? c * C::kBfChunk : 0);
-          if (tid < C::kUnits) {
-            const int r = tid / 4, u = tid % 4;
-            uint4 raw;
-            asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-                         : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w)
-                         : "r"(buf + r * 64 + u * 16));
-            uint4 w[2];
-            fp8x16_to_bf16(raw, w);
-            asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(dstc + swz(r, 2 * u)), "r"(w[0].x),
-                         "r"(w[0].y), "r"(w[0].z), "r"(w[0].w));
-            asm volatile("st.shared.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"r"(dstc + swz(r, 2 * u + 1)), "r"(w[1].x),
-                         "r"(w[1].y), "r"(w[1].z), "r"(w[1].w));
-          }
+          if constexpr (!FP8) return raw;
+          widen_chunk(raw, sConv);  // once, for all warps
           __syncthreads();
-          buf = dstc;
+          return sConv;
         }
+      };
 
-        if (c < 9) {
-          // ---- S[16 x BN/2] += Q[:, chunk c] K_c^T
+      uint32_t buf = 0;
+#pragma unroll 1
+      for (int c = 0; c < 9; ++c) {
+        buf = step_buf(c);
+        // ---- S[32 x BN/2] += Q[rows, k-steps 2dh..2dh+1 of chunk c] K_c^T
 #pragma unroll
-          for (int ks = 0; ks < 4; ++ks) {
-            uint32_t a[4];
-            const int ar = rg * 16 + (lane & 15);
-            ldsm_x4(a, sQ + c * (kBM * 128) + swz(ar, ks * 2 + (lane >> 4)));
+        for (int kk = 0; kk < 2; ++kk) {
+          const int ks = 2 * dh + kk;
+          uint32_t a[2][4];
 #pragma unroll
-            for (int jj = 0; jj < C::kQKNT / 2; ++jj) {
-              const int key = kh * (BN / 2) + jj * 16 + (lane & 7) + ((lane >> 4) << 3);
-              uint32_t bq[4];
-              ldsm_x4(bq, buf + swz(key, ks * 2 + ((lane >> 3) & 1)));
-              mma_bf16(s[2 * jj], a, bq[0], bq[1]);
-              mma_bf16(s[2 * jj + 1], a, bq[2], bq[3]);
+          for (int mi = 0; mi < 2; ++mi)
+            ldsm_x4(a[mi], sQ + c * (kBM * 128) + swz(rh * 32 + mi * 16 + (lane & 15), ks * 2 + (lane >> 4)));
+#pragma unroll
+          for (int jj = 0; jj < C::kQKNT / 2; ++jj) {
+            const int key = kq * (BN / 2) + jj * 16 + (lane & 7) + ((lane >> 4) << 3);
+            uint32_t bq[4];
+            ldsm_x4(bq, buf + swz(key, ks * 2 + ((lane >> 3) & 1)));
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi) {
+              mma_bf16(s[mi][2 * jj], a[mi], bq[0], bq[1]);
+              mma_bf16(s[mi][2 * jj + 1], a[mi], bq[2], bq[3]);
             }
           }
-          if (c == 8) {
-            // ---- online softmax (log2 domain); tree mask only on tiles that reach the tree keys
-            const int kbase = tile * BN + kh * (BN / 2);
-            const bool masked = (tile + 1) * BN > tree_start;
-            float mx[2] = {-INFINITY, -INFINITY};
+        }
+      }
+      {
+        // ---- the dh pair swaps 16-row blocks: this warp keeps block dh (rows own0, own1) with full sums
+        __syncthreads();  // every warp is done reading chunk 8, whose buffer takes half of the exchange
+        const uint32_t ex_off = ((rh * 2 + kq) * C::kQKNT * 4 * 32 + lane) * 4;
+        const uint32_t ex_give = (dh ? sPu : buf) + ex_off, ex_take = (dh ? buf : sPu) + ex_off;
 #pragma unroll
-            for (int j = 0; j < C::kQKNT; ++j)
+        for (int j = 0; j < C::kQKNT; ++j)
 #pragma unroll
-              for (int e = 0; e < 4; ++e) {
-                float v = s[j][e] * p.scale_log2;
-                if (masked) {
-                  const int key = kbase + j * 8 + 2 * q4 + (e & 1);
-                  const int tk = key - tree_start;
-                  const bool vis = key < L && (tk < 0 || ((bits[e >> 1] >> tk) & 1ull));
-                  v = vis ? v : -INFINITY;
-                }
-                s[j][e] = v;
-                mx[e >> 1] = fmaxf(mx[e >> 1], v);
+          for (int e = 0; e < 4; ++e)
+            asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(ex_give + (j * 4 + e) * 128),
+                         "f"(dh ? s[0][j][e] : s[1][j][e]));
+        __syncthreads();
+        float sk[C::kQKNT][4];
+#pragma unroll
+        for (int j = 0; j < C::kQKNT; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            float other;
+            asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(other) : "r"(ex_take + (j * 4 + e) * 128));
+            sk[j][e] = (dh ? s[1][j][e] : s[0][j][e]) + other;
+          }
+        // ---- online softmax (log2 domain); tree mask only on tiles that reach the tree keys
+        const int kbase = tile * BN + kq * (BN / 2);
+        const bool masked = (tile + 1) * BN > tree_start;
+        uint64_t bits[2] = {~0ull, ~0ull};  // read only on the last tiles: registers are scarce
+        if (masked) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int row = rt * kBM + (e ? own1 : own0);
+            if (row < rows) bits[e] = static_cast<uint64_t>(p.tree_bits[q0 + row / p.H]);
+          }
+        }
+        float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int j = 0; j < C::kQKNT; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            float v = sk[j][e] * p.scale_log2;
+            if (masked) {
+              const int key = kbase + j * 8 + 2 * q4 + (e & 1);
+              const int tk = key - tree_start;
+              const bool vis = key < L && (tk < 0 || ((bits[e >> 1] >> tk) & 1ull));
+              v = vis ? v : -INFINITY;
+            }
+            sk[j][e] = v;
+            mx[e >> 1] = fmaxf(mx[e >> 1], v);
+          }
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 1));
+          mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 2));
+        }
+        if (q4 == 0) {
+          red[kq * kBM + own0] = mx[0];
+          red[kq * kBM + own1] = mx[1];
+        }
+        __syncthreads();  // also: every exchange read is done, so sP may be written
+        float muse[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float other = red[(kq ^ 1) * kBM + (e ? own1 : own0)];
+          const float mnew = fmaxf(m[e], fmaxf(mx[e], other));
+          muse[e] = mnew == -INFINITY ? 0.f : mnew;  // fully masked so far: keep exp2 finite
+          const float alpha = fast_exp2(m[e] - muse[e]);
+          m[e] = mnew;
+          l[e] *= alpha;
+          if (kq == 0 && q4 == 0) srow[e ? own1 : own0] = alpha;
+        }
+#pragma unroll
+        for (int j = 0; j < C::kQKNT; ++j) {
+          const float p0 = fast_exp2(sk[j][0] - muse[0]), p1 = fast_exp2(sk[j][1] - muse[0]);
+          const float p2 = fast_exp2(sk[j][2] - muse[1]), p3 = fast_exp2(sk[j][3] - muse[1]);
+          l[0] += p0 + p1;
+          l[1] += p2 + p3;
+          const int key = kq * (BN / 2) + j * 8 + 2 * q4;
+          *reinterpret_cast<uint32_t*>(sP + own0 * C::kPStride + key) = pack_bf16(p0, p1);
+          *reinterpret_cast<uint32_t*>(sP + own1 * C::kPStride + key) = pack_bf16(p2, p3);
+        }
+      }
+      if constexpr (VRES) __syncthreads();  // sP and alpha written by the softmax (the ring's steps have barriers)
+      uint32_t pa[2][C::kPVKS][4];
+#pragma unroll
+      for (int vc = 0; vc < 8; ++vc) {
+        buf = step_buf(9 + vc);
+        // ---- O[32 x (chunk vc, dims 16dq..16dq+15)] += P[32 x BN] V_vc
+        if (vc == 0) {  // sP and alpha are complete (a barrier separates them from this step)
+#pragma unroll
+          for (int mi = 0; mi < 2; ++mi) {
+            const int pr = rh * 32 + mi * 16 + (lane & 15);
+#pragma unroll
+            for (int ks = 0; ks < C::kPVKS; ++ks)
+              ldsm_x4(pa[mi][ks], sPu + pr * (C::kPStride * 2) + ((ks * 2 + (lane >> 4)) << 4));
+            const float a0 = srow[rh * 32 + mi * 16 + g], a1 = srow[rh * 32 + mi * 16 + g + 8];
+#pragma unroll
+            for (int v = 0; v < 8; ++v)
+#pragma unroll
+              for (int nj = 0; nj < 2; ++nj) {
+                o[v][mi][nj][0] *= a0;
+                o[v][mi][nj][1] *= a0;
+                o[v][mi][nj][2] *= a1;
+                o[v][mi][nj][3] *= a1;
               }
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 1));
-              mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 2));
-            }
-            if (q4 == 0) {
-              red[kh * kBM + lrow0] = mx[0];
-              red[kh * kBM + lrow1] = mx[1];
-            }
-            __syncthreads();
-            float alpha[2], muse[2];
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const float other = red[(kh ^ 1) * kBM + (e ? lrow1 : lrow0)];
-              const float mnew = fmaxf(m[e], fmaxf(mx[e], other));
-              muse[e] = mnew == -INFINITY ? 0.f : mnew;  // fully masked so far: keep exp2 finite
-              alpha[e] = fast_exp2(m[e] - muse[e]);
-              m[e] = mnew;
-              l[e] *= alpha[e];
-            }
-#pragma unroll
-            for (int j = 0; j < C::kQKNT; ++j) {
-              const float p0 = fast_exp2(s[j][0] - muse[0]), p1 = fast_exp2(s[j][1] - muse[0]);
-              const float p2 = fast_exp2(s[j][2] - muse[1]), p3 = fast_exp2(s[j][3] - muse[1]);
-              l[0] += p0 + p1;
-              l[1] += p2 + p3;
-              const int key = kh * (BN / 2) + j * 8 + 2 * q4;
-              *reinterpret_cast<uint32_t*>(sP + lrow0 * C::kPStride + key) = pack_bf16(p0, p1);
-              *reinterpret_cast<uint32_t*>(sP + lrow1 * C::kPStride + key) = pack_bf16(p2, p3);
-            }
-#pragma unroll
-            for (int vc = 0; vc < 8; ++vc)
-#pragma unroll
-              for (int j = 0; j < 4; ++j) {
-                o[vc][j][0] *= alpha[0];
-                o[vc][j][1] *= alpha[0];
-                o[vc][j][2] *= alpha[1];
-                o[vc][j][3] *= alpha[1];
-              }
           }
-        } else {
-          // ---- O[16 x (chunk vc, dim half kh)] += P[16 x BN] V_vc
-          const int vc = c - 9;
-          if (vc == 0) {
+        }
 #pragma unroll
-            for (int ks = 0; ks < C::kPVKS; ++ks) {
-              const int pr = rg * 16 + (lane & 15);
-              ldsm_x4(pa[ks], sPu + pr * (C::kPStride * 2) + ((ks * 2 + (lane >> 4)) << 4));
-            }
-          }
+        for (int ks = 0; ks < C::kPVKS; ++ks) {
+          const int key = ks * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+          uint32_t bv[4];
+          ldsm_x4_t(bv, buf + swz(key, dq * 2 + (lane >> 4)));
 #pragma unroll
-          for (int ks = 0; ks < C::kPVKS; ++ks) {
-#pragma unroll
-            for (int jj = 0; jj < 2; ++jj) {
-              const int key = ks * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
-              const int unit = kh * 4 + jj * 2 + (lane >> 4);
-              uint32_t bv[4];
-              ldsm_x4_t(bv, buf + swz(key, unit));
-              mma_bf16(o[vc][2 * jj], pa[ks], bv[0], bv[1]);
-              mma_bf16(o[vc][2 * jj + 1], pa[ks], bv[2], bv[3]);
-            }
+          for (int mi = 0; mi < 2; ++mi) {
+            mma_bf16(o[vc][mi][0], pa[mi][ks], bv[0], bv[1]);
+            mma_bf16(o[vc][mi][1], pa[mi][ks], bv[2], bv[3]);
           }
         }
       }
     }
 
-    // ---- epilogue: full row sums, normalize, write
+    // ---- epilogue: full row sums (both key halves) -> 1/l per row, lse by the kq = 0 owner; then every warp
+    // normalizes and writes its O block
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       l[e] += __shfl_xor_sync(0xffffffffu, l[e], 1);
       l[e] += __shfl_xor_sync(0xffffffffu, l[e], 2);
     }
-    __syncthreads();  // red is free (last read before the V steps' barriers), but keep writers after all readers
+    __syncthreads();  // the last tile's readers of red / srow are done
     if (q4 == 0) {
-      red[kh * kBM + lrow0] = l[0];
-      red[kh * kBM + lrow1] = l[1];
+      red[kq * kBM + own0] = l[0];
+      red[kq * kBM + own1] = l[1];
     }
     __syncthreads();
-    float inv[2], lse2[2];
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const float lt = l[e] + red[(kh ^ 1) * kBM + (e ? lrow1 : lrow0)];
-      inv[e] = lt > 0.f ? p.kv_scale / lt : 0.f;
-      lse2[e] = lt > 0.f ? m[e] + log2f(lt) : -INFINITY;
-    }
     const int rstride = p.max_q * p.H;
+    if (kq == 0 && q4 == 0) {
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int row = rt * kBM + (e ? lrow1 : lrow0);
-      if (row >= rows) continue;
-      const int node = row / p.H, head = row % p.H;
-      const int64_t tok = q0 + node;
-      if (slot < 0) {
-        char* orow = reinterpret_cast<char*>(p.out) + (tok * p.out_s0 + head * p.out_s1) * 2;
-#pragma unroll
-        for (int vc = 0; vc < 8; ++vc)
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const int d = vc * 64 + kh * 32 + j * 8 + 2 * q4;
-            const float x0 = o[vc][j][2 * e] * inv[e], x1 = o[vc][j][2 * e + 1] * inv[e];
-            uint32_t w;
-            if (p.out_fp16) {
-              __half2 h = __floats2half2_rn(x0, x1);
-              memcpy(&w, &h, 4);
-            } else {
-              w = pack_bf16(x0, x1);
-            }
-            *reinterpret_cast<uint32_t*>(orow + d * 2) = w;
+      for (int e = 0; e < 2; ++e) {
+        const int lr = e ? own1 : own0;
+        const float lt = l[e] + red[kBM + lr];
+        srow[lr] = lt > 0.f ? p.kv_scale / lt : 0.f;
+        const float lse2 = lt > 0.f ? m[e] + log2f(lt) : -INFINITY;
+        const int row = rt * kBM + lr;
+        if (row < rows) {
+          if (slot < 0) {
+            p.lse[(q0 + row / p.H) * p.lse_s0 + (row % p.H) * p.lse_s1] = lse2 * kLn2;
+          } else {
+            p.ws_lse[(int64_t)slot * rstride + row] = lse2;
           }
-        if (kh == 0 && q4 == 0) p.lse[tok * p.lse_s0 + head * p.lse_s1] = lse2[e] * kLn2;
-      } else {
-        float* wrow = p.ws_o + ((int64_t)slot * rstride + row) * kDV;
-#pragma unroll
-        for (int vc = 0; vc < 8; ++vc)
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const int d = vc * 64 + kh * 32 + j * 8 + 2 * q4;
-            *reinterpret_cast<float2*>(wrow + d) = make_float2(o[vc][j][2 * e] * inv[e], o[vc][j][2 * e + 1] * inv[e]);
-          }
-        if (kh == 0 && q4 == 0) p.ws_lse[(int64_t)slot * rstride + row] = lse2[e];
+        }
       }
     }
+    __syncthreads();
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+      for (int eh = 0; eh < 2; ++eh) {
+        const int lr = rh * 32 + mi * 16 + g + 8 * eh;
+        const int row = rt * kBM + lr;
+        if (row >= rows) continue;
+        const float inv = srow[lr];
+        const int node = row / p.H, head = row % p.H;
+        const int64_t tok = q0 + node;
+        if (slot < 0) {
+          char* orow = reinterpret_cast<char*>(p.out) + (tok * p.out_s0 + head * p.out_s1) * 2;
+#pragma unroll
+          for (int vc = 0; vc < 8; ++vc)
+#pragma unroll
+            for (int nj = 0; nj < 2; ++nj) {
+              const int d = vc * 64 + dq * 16 + nj * 8 + 2 * q4;
+              const float x0 = o[vc][mi][nj][2 * eh] * inv, x1 = o[vc][mi][nj][2 * eh + 1] * inv;
+              uint32_t w;
+              if (p.out_fp16) {
+                __half2 h = __floats2half2_rn(x0, x1);
+                memcpy(&w, &h, 4);
+              } else {
+                w = pack_bf16(x0, x1);
+              }
+              *reinterpret_cast<uint32_t*>(orow + d * 2) = w;
+            }
+        } else {
+          float* wrow = p.ws_o + ((int64_t)slot * rstride + row) * kDV;
+#pragma unroll
+          for (int vc = 0; vc < 8; ++vc)
+#pragma unroll
+            for (int nj = 0; nj < 2; ++nj) {
+              const int d = vc * 64 + dq * 16 + nj * 8 + 2 * q4;
+              *reinterpret_cast<float2*>(wrow + d) =
+                  make_float2(o[vc][mi][nj][2 * eh] * inv, o[vc][mi][nj][2 * eh + 1] * inv);
+            }
+        }
+      }
   }
 }
 

@@ -21,7 +21,13 @@ _loaded = False
 
 
 def csrc_dir() -> Path:
-    """Kernel sources: packaged copy (``vllm_ddtree/csrc``) first, else the repository's ``csrc/``."""
+    """Kernel sources: ``$VLLM_DDTREE_CSRC`` when set (A/B timing of a kernel change), else the packaged copy
+    (``vllm_ddtree/csrc``), else the repository's ``csrc/``."""
+    override = os.environ.get("VLLM_DDTREE_CSRC")
+    if override:
+        if not (Path(override) / _SOURCES[0]).is_file():
+            raise FileNotFoundError(f"VLLM_DDTREE_CSRC={override} has no {_SOURCES[0]}; point it at a csrc/ tree")
+        return Path(override)
     here = Path(__file__).resolve().parent
     for cand in (here / "csrc", here.parent / "csrc"):
         if (cand / _SOURCES[0]).is_file():
