@@ -3,11 +3,14 @@
 // One CTA owns 64 packed rows r = node*H + head of one request and streams that request's KV tiles (BN tokens)
 // through a cp.async ring of BN x 64-dim chunks: 9 K chunks feed S = Q K^T, then the same tokens' 8 V chunks
 // (the first 512 dims, re-read from L2) feed O += P V. Q (64 x 576 bf16 = 72 KB) stays resident in shared memory.
-// mma.sync reads every operand from shared memory per warp, so the warp tiles are chosen for fewer smem bytes per mma:
-// - QK: warp (row half rh, key half kq, k-step half dh) adds k-steps 2dh, 2dh+1 of every chunk into S[32 x BN/2];
+// mma.sync reads every operand from shared memory per warp. Resident tiles (sm_90), where that is the limit, use
+// warp tiles with fewer smem bytes per mma:
+// - QK: warp (row half, key half kq, k-step half dh) adds k-steps 2dh, 2dh+1 of every chunk into S[32 x BN/2];
 //   the dh pair then swaps 16-row blocks through shared memory and each keeps one block's full sums for the softmax.
-// - PV: warp (row half rh, dim quarter dq) owns O[32 rows x dims 16dq..16dq+15 of every 64-dim chunk] (128 fp32
-//   registers), so V is read by 2 warps instead of 4.
+// - PV: warp (row half, dim quarter) owns O[32 rows x 16 dims of every 64-dim chunk], so V is read by 2 warps, not 4.
+// The portable ring is bound by the bytes it keeps in flight (measured on the H200: those tiles made it 9-14 %
+// slower), so it keeps 4 row groups x 2 halves: QK over all k-steps of a key half, PV over a 32-dim half.
+// Either way O is 128 fp32 registers per thread and P and the per-row rescale pass through shared memory.
 // Split-KV: the device scheduler (mla_tree_verify_sched.cu) hands each part a list of pieces (request, tile range);
 // a request cut into several pieces writes normalized fp32 partials + base-2 lse, merged by the combine kernel.
 #include <cuda_bf16.h>
@@ -52,6 +55,12 @@ struct KCfg {
   static constexpr int kUnits = BN * kUnitsPerRow;  // 16-byte cp.async units per chunk
   static constexpr int kLoadIters = (kUnits + kThreads - 1) / kThreads;
   static constexpr int kSteps = 17;  // 9 K chunks + 8 V chunks per tile
+  // Warp tiles (see the top of the file): resident tiles split QK k-steps across a warp pair and give PV 32 rows.
+  static constexpr bool kSplitK = VRES;
+  static constexpr int kPVM = VRES ? 2 : 1;   // 16-row blocks per warp in PV
+  static constexpr int kPVNJ = VRES ? 2 : 4;  // 8-dim n-tiles per warp per V chunk
+  static constexpr int kQKM = kSplitK ? 2 : 1;   // 16-row blocks per warp in QK
+  static constexpr int kQKKS = kSplitK ? 2 : 4;  // k-steps per 64-dim chunk per warp in QK
   static constexpr int kQKNT = BN / 16;  // 8-key n-tiles per warp in QK (warp covers BN/2 keys)
   static constexpr int kPVKS = BN / 16;  // 16-key k-steps in PV
   // The S exchange: each warp hands its partner 16 rows x BN/2 keys of fp32 partial sums; one half of the warps
@@ -136,10 +145,14 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
 #endif
   extern __shared__ __align__(128) uint8_t smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int rh = warp & 1, kq = (warp >> 1) & 1, dh = warp >> 2;  // QK: row half, key half, k-step half
-  const int dq = warp >> 1;                                        // PV: dim quarter
+  const int rh = warp & 1;                                    // split QK: row half
+  const int pv_row0 = VRES ? rh * 32 : (warp >> 1) * 16;      // PV: first row of this warp's O block
+  const int pv_d0 = (VRES ? warp >> 1 : warp & 1) * 8 * C::kPVNJ;  // PV: first dim of its slice of every chunk
+  const int kq = C::kSplitK ? (warp >> 1) & 1 : warp & 1;     // QK: key half
+  const int dh = C::kSplitK ? warp >> 2 : 0;                  // QK: k-step half (split only)
+  const int qk_row0 = C::kSplitK ? rh * 32 : (warp >> 1) * 16;  // QK: first row of this warp's tile
   const int g = lane >> 2, q4 = lane & 3;
-  const int own0 = rh * 32 + dh * 16 + g, own1 = own0 + 8;  // the two rows whose softmax this thread keeps
+  const int own0 = qk_row0 + dh * 16 + g, own1 = own0 + 8;  // the two rows whose softmax this thread keeps
   const int rt = blockIdx.x, part = blockIdx.y;
 
   const uint32_t sQ = smem_u32(smem);
@@ -267,14 +280,14 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
 
     // ---- softmax state of the two kept rows (own0, own1; partial sums over this warp's key half)
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-    // O[vc][mi][nj]: rows rh*32 + mi*16 + (g, g+8), dims vc*64 + dq*16 + nj*8 + 2*q4 (+1)
-    float o[8][2][2][4];
+    // O[vc][mi][nj]: rows pv_row0 + mi*16 + (g, g+8), dims vc*64 + pv_d0 + nj*8 + 2*q4 (+1)
+    float o[8][C::kPVM][C::kPVNJ][4];
 #pragma unroll
     for (int c = 0; c < 8; ++c)
 #pragma unroll
-      for (int mi = 0; mi < 2; ++mi)
+      for (int mi = 0; mi < C::kPVM; ++mi)
 #pragma unroll
-        for (int nj = 0; nj < 2; ++nj)
+        for (int nj = 0; nj < C::kPVNJ; ++nj)
 #pragma unroll
           for (int e = 0; e < 4; ++e) o[c][mi][nj][e] = 0.f;
 
@@ -299,9 +312,9 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
       } else {
         if (tile + 1 < t1) fetch_pages(tile + 1, nextpage);  // used ~15 steps later
       }
-      float s[2][C::kQKNT][4];  // partial S over this warp's k-steps: rows rh*32 + mi*16, keys of half kq
+      float s[C::kQKM][C::kQKNT][4];  // S over this warp's k-steps: rows qk_row0 + mi*16, keys of half kq
 #pragma unroll
-      for (int mi = 0; mi < 2; ++mi)
+      for (int mi = 0; mi < C::kQKM; ++mi)
 #pragma unroll
         for (int j = 0; j < C::kQKNT; ++j)
 #pragma unroll
@@ -337,21 +350,21 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
 #pragma unroll 1
       for (int c = 0; c < 9; ++c) {
         buf = step_buf(c);
-        // ---- S[32 x BN/2] += Q[rows, k-steps 2dh..2dh+1 of chunk c] K_c^T
+        // ---- S[16 kQKM x BN/2] += Q[rows, this warp's k-steps of chunk c] K_c^T
 #pragma unroll
-        for (int kk = 0; kk < 2; ++kk) {
-          const int ks = 2 * dh + kk;
-          uint32_t a[2][4];
+        for (int kk = 0; kk < C::kQKKS; ++kk) {
+          const int ks = C::kQKKS * dh + kk;
+          uint32_t a[C::kQKM][4];
 #pragma unroll
-          for (int mi = 0; mi < 2; ++mi)
-            ldsm_x4(a[mi], sQ + c * (kBM * 128) + swz(rh * 32 + mi * 16 + (lane & 15), ks * 2 + (lane >> 4)));
+          for (int mi = 0; mi < C::kQKM; ++mi)
+            ldsm_x4(a[mi], sQ + c * (kBM * 128) + swz(qk_row0 + mi * 16 + (lane & 15), ks * 2 + (lane >> 4)));
 #pragma unroll
           for (int jj = 0; jj < C::kQKNT / 2; ++jj) {
             const int key = kq * (BN / 2) + jj * 16 + (lane & 7) + ((lane >> 4) << 3);
             uint32_t bq[4];
             ldsm_x4(bq, buf + swz(key, ks * 2 + ((lane >> 3) & 1)));
 #pragma unroll
-            for (int mi = 0; mi < 2; ++mi) {
+            for (int mi = 0; mi < C::kQKM; ++mi) {
               mma_bf16(s[mi][2 * jj], a[mi], bq[0], bq[1]);
               mma_bf16(s[mi][2 * jj + 1], a[mi], bq[2], bq[3]);
             }
@@ -359,26 +372,33 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
         }
       }
       {
-        // ---- the dh pair swaps 16-row blocks: this warp keeps block dh (rows own0, own1) with full sums
-        __syncthreads();  // every warp is done reading chunk 8, whose buffer takes half of the exchange
-        const uint32_t ex_off = ((rh * 2 + kq) * C::kQKNT * 4 * 32 + lane) * 4;
-        const uint32_t ex_give = (dh ? sPu : buf) + ex_off, ex_take = (dh ? buf : sPu) + ex_off;
+        float sk[C::kQKNT][4];  // full S of rows own0, own1 over key half kq
+        if constexpr (C::kSplitK) {
+          // ---- the dh pair swaps 16-row blocks: this warp keeps block dh (rows own0, own1) with full sums
+          __syncthreads();  // every warp is done reading chunk 8, whose buffer takes half of the exchange
+          const uint32_t ex_off = ((rh * 2 + kq) * C::kQKNT * 4 * 32 + lane) * 4;
+          const uint32_t ex_give = (dh ? sPu : buf) + ex_off, ex_take = (dh ? buf : sPu) + ex_off;
 #pragma unroll
-        for (int j = 0; j < C::kQKNT; ++j)
+          for (int j = 0; j < C::kQKNT; ++j)
 #pragma unroll
-          for (int e = 0; e < 4; ++e)
-            asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(ex_give + (j * 4 + e) * 128),
-                         "f"(dh ? s[0][j][e] : s[1][j][e]));
-        __syncthreads();
-        float sk[C::kQKNT][4];
+            for (int e = 0; e < 4; ++e)
+              asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(ex_give + (j * 4 + e) * 128),
+                           "f"(dh ? s[0][j][e] : s[1][j][e]));
+          __syncthreads();
 #pragma unroll
-        for (int j = 0; j < C::kQKNT; ++j)
+          for (int j = 0; j < C::kQKNT; ++j)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            float other;
-            asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(other) : "r"(ex_take + (j * 4 + e) * 128));
-            sk[j][e] = (dh ? s[1][j][e] : s[0][j][e]) + other;
-          }
+            for (int e = 0; e < 4; ++e) {
+              float other;
+              asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(other) : "r"(ex_take + (j * 4 + e) * 128));
+              sk[j][e] = (dh ? s[1][j][e] : s[0][j][e]) + other;
+            }
+        } else {
+#pragma unroll
+          for (int j = 0; j < C::kQKNT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) sk[j][e] = s[0][j][e];
+        }
         // ---- online softmax (log2 domain); tree mask only on tiles that reach the tree keys
         const int kbase = tile * BN + kq * (BN / 2);
         const bool masked = (tile + 1) * BN > tree_start;
@@ -438,23 +458,23 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
         }
       }
       if constexpr (VRES) __syncthreads();  // sP and alpha written by the softmax (the ring's steps have barriers)
-      uint32_t pa[2][C::kPVKS][4];
+      uint32_t pa[C::kPVM][C::kPVKS][4];
 #pragma unroll
       for (int vc = 0; vc < 8; ++vc) {
         buf = step_buf(9 + vc);
-        // ---- O[32 x (chunk vc, dims 16dq..16dq+15)] += P[32 x BN] V_vc
+        // ---- O[rows pv_row0.., (chunk vc, dims pv_d0..)] += P[rows, BN] V_vc
         if (vc == 0) {  // sP and alpha are complete (a barrier separates them from this step)
 #pragma unroll
-          for (int mi = 0; mi < 2; ++mi) {
-            const int pr = rh * 32 + mi * 16 + (lane & 15);
+          for (int mi = 0; mi < C::kPVM; ++mi) {
+            const int pr = pv_row0 + mi * 16 + (lane & 15);
 #pragma unroll
             for (int ks = 0; ks < C::kPVKS; ++ks)
               ldsm_x4(pa[mi][ks], sPu + pr * (C::kPStride * 2) + ((ks * 2 + (lane >> 4)) << 4));
-            const float a0 = srow[rh * 32 + mi * 16 + g], a1 = srow[rh * 32 + mi * 16 + g + 8];
+            const float a0 = srow[pv_row0 + mi * 16 + g], a1 = srow[pv_row0 + mi * 16 + g + 8];
 #pragma unroll
             for (int v = 0; v < 8; ++v)
 #pragma unroll
-              for (int nj = 0; nj < 2; ++nj) {
+              for (int nj = 0; nj < C::kPVNJ; ++nj) {
                 o[v][mi][nj][0] *= a0;
                 o[v][mi][nj][1] *= a0;
                 o[v][mi][nj][2] *= a1;
@@ -465,12 +485,15 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
 #pragma unroll
         for (int ks = 0; ks < C::kPVKS; ++ks) {
           const int key = ks * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
-          uint32_t bv[4];
-          ldsm_x4_t(bv, buf + swz(key, dq * 2 + (lane >> 4)));
 #pragma unroll
-          for (int mi = 0; mi < 2; ++mi) {
-            mma_bf16(o[vc][mi][0], pa[mi][ks], bv[0], bv[1]);
-            mma_bf16(o[vc][mi][1], pa[mi][ks], bv[2], bv[3]);
+          for (int jj = 0; jj < C::kPVNJ / 2; ++jj) {
+            uint32_t bv[4];
+            ldsm_x4_t(bv, buf + swz(key, pv_d0 / 8 + jj * 2 + (lane >> 4)));
+#pragma unroll
+            for (int mi = 0; mi < C::kPVM; ++mi) {
+              mma_bf16(o[vc][mi][2 * jj], pa[mi][ks], bv[0], bv[1]);
+              mma_bf16(o[vc][mi][2 * jj + 1], pa[mi][ks], bv[2], bv[3]);
+            }
           }
         }
       }
@@ -509,10 +532,10 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
     }
     __syncthreads();
 #pragma unroll
-    for (int mi = 0; mi < 2; ++mi)
+    for (int mi = 0; mi < C::kPVM; ++mi)
 #pragma unroll
       for (int eh = 0; eh < 2; ++eh) {
-        const int lr = rh * 32 + mi * 16 + g + 8 * eh;
+        const int lr = pv_row0 + mi * 16 + g + 8 * eh;
         const int row = rt * kBM + lr;
         if (row >= rows) continue;
         const float inv = srow[lr];
@@ -523,8 +546,8 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
 #pragma unroll
           for (int vc = 0; vc < 8; ++vc)
 #pragma unroll
-            for (int nj = 0; nj < 2; ++nj) {
-              const int d = vc * 64 + dq * 16 + nj * 8 + 2 * q4;
+            for (int nj = 0; nj < C::kPVNJ; ++nj) {
+              const int d = vc * 64 + pv_d0 + nj * 8 + 2 * q4;
               const float x0 = o[vc][mi][nj][2 * eh] * inv, x1 = o[vc][mi][nj][2 * eh + 1] * inv;
               uint32_t w;
               if (p.out_fp16) {
@@ -540,8 +563,8 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
 #pragma unroll
           for (int vc = 0; vc < 8; ++vc)
 #pragma unroll
-            for (int nj = 0; nj < 2; ++nj) {
-              const int d = vc * 64 + dq * 16 + nj * 8 + 2 * q4;
+            for (int nj = 0; nj < C::kPVNJ; ++nj) {
+              const int d = vc * 64 + pv_d0 + nj * 8 + 2 * q4;
               *reinterpret_cast<float2*>(wrow + d) =
                   make_float2(o[vc][mi][nj][2 * eh] * inv, o[vc][mi][nj][2 * eh + 1] * inv);
             }
