@@ -347,7 +347,7 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
       };
 
       uint32_t buf = 0;
-#pragma unroll 1
+#pragma unroll(VRES ? 1 : 9)  // the ring's step bookkeeping folds to constants when unrolled
       for (int c = 0; c < 9; ++c) {
         buf = step_buf(c);
         // ---- S[16 kQKM x BN/2] += Q[rows, this warp's k-steps of chunk c] K_c^T
@@ -435,16 +435,27 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
           red[kq * kBM + own1] = mx[1];
         }
         __syncthreads();  // also: every exchange read is done, so sP may be written
-        float muse[2];
+        float muse[2], alpha[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const float other = red[(kq ^ 1) * kBM + (e ? own1 : own0)];
           const float mnew = fmaxf(m[e], fmaxf(mx[e], other));
           muse[e] = mnew == -INFINITY ? 0.f : mnew;  // fully masked so far: keep exp2 finite
-          const float alpha = fast_exp2(m[e] - muse[e]);
+          alpha[e] = fast_exp2(m[e] - muse[e]);
           m[e] = mnew;
-          l[e] *= alpha;
-          if (kq == 0 && q4 == 0) srow[e ? own1 : own0] = alpha;
+          l[e] *= alpha[e];
+          if (VRES && kq == 0 && q4 == 0) srow[e ? own1 : own0] = alpha[e];
+        }
+        if constexpr (!VRES) {  // portable: this thread's O rows are its softmax rows, so rescale here
+#pragma unroll
+          for (int v = 0; v < 8; ++v)
+#pragma unroll
+            for (int nj = 0; nj < C::kPVNJ; ++nj) {
+              o[v][0][nj][0] *= alpha[0];
+              o[v][0][nj][1] *= alpha[0];
+              o[v][0][nj][2] *= alpha[1];
+              o[v][0][nj][3] *= alpha[1];
+            }
         }
 #pragma unroll
         for (int j = 0; j < C::kQKNT; ++j) {
@@ -463,23 +474,25 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
       for (int vc = 0; vc < 8; ++vc) {
         buf = step_buf(9 + vc);
         // ---- O[rows pv_row0.., (chunk vc, dims pv_d0..)] += P[rows, BN] V_vc
-        if (vc == 0) {  // sP and alpha are complete (a barrier separates them from this step)
+        if (vc == 0) {  // sP and srow are complete (a barrier separates them from this step)
 #pragma unroll
           for (int mi = 0; mi < C::kPVM; ++mi) {
             const int pr = pv_row0 + mi * 16 + (lane & 15);
 #pragma unroll
             for (int ks = 0; ks < C::kPVKS; ++ks)
               ldsm_x4(pa[mi][ks], sPu + pr * (C::kPStride * 2) + ((ks * 2 + (lane >> 4)) << 4));
-            const float a0 = srow[pv_row0 + mi * 16 + g], a1 = srow[pv_row0 + mi * 16 + g + 8];
+            if constexpr (VRES) {  // resident: the softmax rows are another warp's; alpha comes through srow
+              const float a0 = srow[pv_row0 + mi * 16 + g], a1 = srow[pv_row0 + mi * 16 + g + 8];
 #pragma unroll
-            for (int v = 0; v < 8; ++v)
+              for (int v = 0; v < 8; ++v)
 #pragma unroll
-              for (int nj = 0; nj < C::kPVNJ; ++nj) {
-                o[v][mi][nj][0] *= a0;
-                o[v][mi][nj][1] *= a0;
-                o[v][mi][nj][2] *= a1;
-                o[v][mi][nj][3] *= a1;
-              }
+                for (int nj = 0; nj < C::kPVNJ; ++nj) {
+                  o[v][mi][nj][0] *= a0;
+                  o[v][mi][nj][1] *= a0;
+                  o[v][mi][nj][2] *= a1;
+                  o[v][mi][nj][3] *= a1;
+                }
+            }
           }
         }
 #pragma unroll
