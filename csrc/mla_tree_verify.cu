@@ -30,6 +30,7 @@ void launch_mla_sched(const MlaParams& p, cudaStream_t stream);
 namespace {
 
 constexpr float kLn2 = 0.6931471805599453f;
+constexpr int kTileSteps = 17;  // 9 K chunks + 8 V chunks per tile
 
 // VRES = false: portable (<= 99 KB): a ring of STAGES chunks; V chunks are fetched again (from L2).
 // VRES = true: large-smem GPUs (sm_90: 227 KB): STAGES whole tiles of 9 chunks stay resident, V is read from the
@@ -54,7 +55,6 @@ struct KCfg {
   static constexpr int kUnitsPerRow = kRowBytes / 16;
   static constexpr int kUnits = BN * kUnitsPerRow;  // 16-byte cp.async units per chunk
   static constexpr int kLoadIters = (kUnits + kThreads - 1) / kThreads;
-  static constexpr int kSteps = 17;  // 9 K chunks + 8 V chunks per tile
   // Warp tiles (see the top of the file): resident tiles split QK k-steps across a warp pair and give PV 32 rows.
   static constexpr bool kSplitK = VRES;
   static constexpr int kPVM = VRES ? 2 : 1;   // 16-row blocks per warp in PV
@@ -331,9 +331,9 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
           __syncthreads();
           {  // prefetch step c + STAGES - 1 into the slot consumed last step
             const int cs = c + STAGES - 1;
-            const int ltile = tile + cs / C::kSteps;
-            const int lc = cs % C::kSteps;
-            if (cs == C::kSteps && ltile < t1) set_rows(ltile, nextpage);
+            const int ltile = tile + cs / kTileSteps;
+            const int lc = cs % kTileSteps;
+            if (cs == kTileSteps && ltile < t1) set_rows(ltile, nextpage);
             if (ltile < t1) load_chunk(lc < 9 ? lc : lc - 9, rd_slot == 0 ? STAGES - 1 : rd_slot - 1);
             cp_async_commit();
           }

@@ -7,6 +7,7 @@ syntax-checked against torch's headers when the host compiler is present.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -39,6 +40,21 @@ def _cuobjdump() -> str | None:
 
 
 NVCC = _nvcc()
+# The resident-V kernel (sm_90 only: ~226 KB of shared memory) runs with all 255 registers and its 32-row warp tiles;
+# ptxas spills a few words there (20 B bf16, 56 B fp8 at the time of writing, measured faster on the H200 than the
+# spill-free 16-row tiles). A bound keeps that from growing unnoticed; every other kernel must not spill at all.
+RESIDENT_SPILL_LIMIT = 64
+
+
+def _spills(stderr: str) -> dict[str, int]:
+    """Spill-store bytes per function from ptxas' -warn-spills lines."""
+    found = re.findall(r"spilled to local memory in function '([^']+)', (\d+) bytes spill stores", stderr)
+    return {fn: int(b) for fn, b in found}
+
+
+def _is_resident_v(mangled: str) -> bool:
+    """mla_tree_verify_kernel<BN, STAGES, FP8, VRES = true>: the last template argument is ``Lb1E``."""
+    return "mla_tree_verify_kernel" in mangled and re.search(r"ILi\d+ELi\d+ELb[01]ELb1EE", mangled) is not None
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found (set CUDA_HOME); the CUDA build check needs the toolkit")
@@ -50,7 +66,11 @@ def test_cu_builds_for_80_90_120(src: str, tmp_path: Path) -> None:
            "-Xptxas=-warn-spills", *gencode]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
-    assert "spill" not in res.stderr.lower(), res.stderr[-2000:]  # -warn-spills reports any spill
+    spills = _spills(res.stderr)  # -warn-spills reports every spilling function
+    portable = {fn: b for fn, b in spills.items() if not _is_resident_v(fn)}
+    assert not portable, f"spills in kernels that sm_80 / sm_120 run: {portable}"
+    resident = {fn: b for fn, b in spills.items() if _is_resident_v(fn)}
+    assert all(b <= RESIDENT_SPILL_LIMIT for b in resident.values()), resident
     dump = _cuobjdump()
     if dump is None:
         pytest.skip("cuobjdump not found; compiled fine but cannot list the cubins")
