@@ -1,6 +1,6 @@
 """Timing of ``ddtree::mla_tree_verify`` on one GPU: CUDA-graph replay over >= 4 rotating KV caches, medians.
 
-    python bench/kernel_mla.py --out bench/results/mla_kernel_h200.json [--baselines]
+    python bench/kernel_mla.py --baselines --out bench/results/mla_kernel_h200_baselines.json
 
 ``--baselines`` (needs vLLM 0.26 on the GPU machine) also times, over the same rotating caches and in the same run,
 vLLM's Triton MLA decode with the tree flattened to one row per node (row i sees L - N + i + 1 keys, as vLLM runs

@@ -39,13 +39,20 @@ def plot_step(data: dict, ax: object) -> None:
 
 
 def plot_kernel(data: dict, ax: object) -> None:
-    rows = data["rows"]
-    labels = [f"B{r['B']} L{r['L'] // 1024}k\nH{r['H']} N{r['N']}" for r in rows]
-    series = {"ours (our CUDA kernel, sm_90 config)": [r["us"] for r in rows],
-              "vLLM Triton MLA (tree as rows)": [r["triton_mla_us"] for r in rows],
-              "FlashMLA causal (no tree mask)": [r["flashmla_causal_us"] for r in rows]}  # fmt: skip
-    if all("ours_hopper_us" in r for r in rows):
-        series["ours, Hopper split (FlashMLA context + tree tail)"] = [r["ours_hopper_us"] for r in rows]
+    """One group of bars per shape: our kernel per variant (sm_90's resident-V, the <= 99 KB portable one that sm_80
+    and sm_120 build), the Hopper split and the two vLLM baselines."""
+    shapes = list(dict.fromkeys((r["B"], r["L"], r["H"], r["N"]) for r in data["rows"]))
+    by = {(r["B"], r["L"], r["H"], r["N"], r.get("variant", "auto")): r for r in data["rows"]}
+    labels = [f"B{b} L{n_l // 1024}k\nH{h} N{n}" for b, n_l, h, n in shapes]
+    first = [next(r for k, r in by.items() if k[:4] == shape) for shape in shapes]
+    series = {}
+    for variant, name in (("auto", "our CUDA kernel, resident-V (sm_90)"), ("portable", "our CUDA kernel, portable")):
+        if all((*shape, variant) in by for shape in shapes):
+            series[name] = [by[(*shape, variant)]["us"] for shape in shapes]
+    if all("ours_hopper_us" in r for r in first):
+        series["ours, Hopper split (FlashMLA context + tree tail)"] = [r["ours_hopper_us"] for r in first]
+    series["vLLM Triton MLA (tree as rows)"] = [r["triton_mla_us"] for r in first]
+    series["FlashMLA causal (no tree mask)"] = [r["flashmla_causal_us"] for r in first]
     _bars(ax, labels, series, "µs (median, graph replay)")
     ax.set_title(f"MLA tree verify on {data['device']}")
 
