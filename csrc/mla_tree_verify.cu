@@ -10,7 +10,8 @@
 // - PV: warp (row half, dim quarter) owns O[32 rows x 16 dims of every 64-dim chunk], so V is read by 2 warps, not 4.
 // The portable ring is bound by the bytes it keeps in flight (measured on the H200: those tiles made it 9-14 %
 // slower), so it keeps 4 row groups x 2 halves: QK over all k-steps of a key half, PV over a 32-dim half.
-// Either way O is 128 fp32 registers per thread and P and the per-row rescale pass through shared memory.
+// Either way O is 128 fp32 registers per thread and P passes through shared memory (on resident tiles also the
+// per-row rescale, whose softmax rows belong to other warps).
 // Split-KV: the device scheduler (mla_tree_verify_sched.cu) hands each part a list of pieces (request, tile range);
 // a request cut into several pieces writes normalized fp32 partials + base-2 lse, merged by the combine kernel.
 #include <cuda_bf16.h>
