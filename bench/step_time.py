@@ -129,10 +129,10 @@ def run_one(args: argparse.Namespace) -> None:
                 starts, verify, draft = on_worker(read_probes)
                 samples.append(statistics.median([b - a for a, b in pairwise(starts)][3:]))  # skip prefill, ramp-up
                 counts = [counts[0] + len(starts), counts[1] + verify, counts[2] + draft]
-            if args.profile and context == args.contexts[0] and batch == args.batches[0]:
+            if args.profile:
                 on_worker(start_profiler)
                 llm.generate(prompts, params, use_tqdm=False)
-                out = Path(args.profile) / f"{args.target}-{args.method}-{args.budget}.txt"
+                out = Path(args.profile) / f"{args.target}-{args.method}-{args.budget}-{context}-b{batch}.txt"
                 out.parent.mkdir(parents=True, exist_ok=True)
                 out.write_text(f"{args.method} budget {args.budget}: one generate of {1 + args.steps} tokens (first "
                                f"is prefill), engine process\n" + on_worker(stop_profiler))  # fmt: skip
@@ -157,7 +157,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="run every configuration this many times, interleaved, one process each (median)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/step_time_h200.json"))
-    parser.add_argument("--profile", metavar="DIR", help="also write a torch.profiler table per configuration here")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="also write a torch.profiler table per configuration, context and batch here (round 0)")
     parser.add_argument("--inline", action="store_true",
                         help="run the engine core inside the bench process (how the earlier JSON was measured)")
     parser.add_argument("--one", nargs=2, metavar=("METHOD", "BUDGET"), help=argparse.SUPPRESS)
