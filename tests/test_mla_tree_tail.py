@@ -158,7 +158,7 @@ def check_backend_split(case: dict) -> None:
 def test_output_parts_fill_small_grids_only() -> None:
     from vllm_ddtree.mla_tree_tail import output_parts
 
-    assert [output_parts(n) for n in (1, 16, 64, 100, 128, 256, 4096)] == [8, 8, 4, 4, 4, 1, 1]
+    assert [output_parts(n) for n in (1, 9, 16, 17, 64, 65, 128, 272, 4096)] == [8, 8, 4, 4, 4, 1, 1, 1, 1]
 
 
 def test_uniform_query_rows_need_no_gather() -> None:

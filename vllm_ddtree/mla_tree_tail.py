@@ -29,7 +29,10 @@ _LOG2E = 1.4426950408889634
 # target spills registers (checked ahead of time for sm_80/90/120 by tests/test_triton_aot.py).
 BLOCK_M, CHUNK, NUM_WARPS = 64, 64, 8
 V_SPLITS = (1, 4, 8)  # output parts per row tile; 2 would spill registers on sm_80/90/120 (tests/test_triton_aot.py)
-TARGET_PROGRAMS = 256  # split the output until the grid has about this many programs
+# Output parts by grid size (row tiles of all requests), from bench/launch_sweep.py on the H200: 8 parts pay below 16
+# row tiles (1 request, <= 9 tree tokens of 64 heads), 4 up to 64 (1 request of up to 64 tokens); from 128 tiles
+# (8 x 16 tokens of 64 heads, 32 x 16 of 16 heads) the recomputed scores cost more than the spread saves.
+SPLIT_8_BELOW, SPLIT_4_UP_TO = 16, 64
 
 
 @triton.jit(do_not_specialize=["s_po_b", "s_pl_b", "s_pl_h"])  # move with the step's query length: no recompiles
@@ -120,9 +123,9 @@ def _mla_tree_tail_kernel(q_nope_ptr, q_pe_ptr, kv_ptr, bt_ptr, seq_lens_ptr, qs
 
 
 def output_parts(programs: int) -> int:
-    """How many parts to split each row tile's 512 output dims into: the fewest of ``V_SPLITS`` that bring
-    ``programs`` row tiles to about ``TARGET_PROGRAMS`` programs."""
-    return next((parts for parts in V_SPLITS if programs * parts >= TARGET_PROGRAMS), V_SPLITS[-1])
+    """How many parts to split each row tile's 512 output dims into, for a grid of ``programs`` row tiles: every
+    part recomputes the tile's scores, which only pays while the grid leaves most SMs idle."""
+    return 8 if programs < SPLIT_8_BELOW else 4 if programs <= SPLIT_4_UP_TO else 1
 
 
 def mla_tree_tail(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
