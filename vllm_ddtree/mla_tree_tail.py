@@ -29,9 +29,10 @@ _LOG2E = 1.4426950408889634
 # target spills registers (checked ahead of time for sm_80/90/120 by tests/test_triton_aot.py).
 BLOCK_M, CHUNK, NUM_WARPS = 64, 64, 8
 V_SPLITS = (1, 4, 8)  # output parts per row tile; 2 would spill registers on sm_80/90/120 (tests/test_triton_aot.py)
-# Output parts by grid size (row tiles of all requests), from bench/launch_sweep.py on the H200: 8 parts pay below 16
-# row tiles (1 request, <= 9 tree tokens of 64 heads), 4 up to 64 (1 request of up to 64 tokens); from 128 tiles
-# (8 x 16 tokens of 64 heads, 32 x 16 of 16 heads) the recomputed scores cost more than the spread saves.
+# Output parts by grid size (row tiles of all requests), from bench/launch_sweep.py on the H200: 8 parts paid at 9
+# row tiles (1 request of 9 tree tokens, 64 heads), 4 at 17-64 (1 request of 17-64 tokens, or 16 tokens of 128
+# heads); from 128 tiles (8 x 16 tokens of 64 heads, 32 x 16 of 16 heads) the recomputed scores cost more than the
+# spread saves.
 SPLIT_8_BELOW, SPLIT_4_UP_TO = 16, 64
 
 
