@@ -26,6 +26,7 @@ from gpu_engine import (
 )
 
 from vllm_ddtree.graph_replays import ReplayCounter
+from vllm_ddtree.tiny_models import HEAD_DIM, HEADS, KV_HEADS
 
 pytestmark = pytest.mark.gpu
 
@@ -111,6 +112,9 @@ def test_ddtree_mla_matches_target_and_replays_full_graphs(mla_pair, custom_refe
     model_runner = runner(llm)
     assert isinstance(model_runner.speculator, DDTreeSpeculator)
     assert DDTreeMLABackend in {g.backend for groups in model_runner.attn_groups for g in groups}
+    drafter_fa = [g.get_metadata_builder(0) for groups in model_runner.speculator.attn_groups for g in groups]
+    assert {(b.num_heads_q, b.num_heads_kv, b.headdim) for b in drafter_fa} == {(HEADS, KV_HEADS, HEAD_DIM)}, (
+        "the drafter's FA3 scheduler metadata must be planned with the drafter's geometry, not the MLA target's")
     verify = ReplayCounter(model_runner.cudagraph_manager)
     draft = ReplayCounter(model_runner.speculator.query_cudagraph_manager)
     label = f"ddtree budget {budget} kv {kv_cache_dtype} context {context}"

@@ -79,3 +79,42 @@ def test_a_new_runner_never_reads_a_predecessors_tree_masks(seams: str, runner_m
     patched_init(object.__new__(runner_cls), SimpleNamespace(speculative_config=None), torch.device("cpu"))
     assert seen == [None]
     assert current_tree_masks() is None
+
+
+def test_flash_attention_builders_plan_with_their_groups_geometry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM 0.26's FlashAttention builder reads the target's geometry (an MLA target: 64 query heads, 1 KV head of
+    576); patched, a DFlash drafter's builder plans FA3's scheduler metadata with its own group's: query heads from
+    its layers, KV heads and head size from its KV-cache spec."""
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionMetadataBuilder
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from vllm_ddtree.patches import fa_geometry
+
+    fa_geometry.apply()
+    fa_geometry.apply()
+    assert FlashAttentionMetadataBuilder.__init__ is fa_geometry._builder_init
+    assert FlashAttentionMetadataBuilder._orig___init__ is not fa_geometry._builder_init
+
+    class Layer(Attention):
+        def __init__(self, num_heads: int) -> None:
+            torch.nn.Module.__init__(self)
+            self.num_heads = num_heads
+
+    def target_geometry(self: object, *args: object) -> None:
+        self.num_heads_q, self.num_heads_kv, self.headdim = 64, 1, 576
+
+    monkeypatch.setattr(FlashAttentionMetadataBuilder, "_orig___init__", target_geometry)
+    context = {"model.layers.0.self_attn.attn": Layer(64), "drafter.4": Layer(32), "drafter.5": Layer(32)}
+    config = SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context=context))
+    spec = FullAttentionSpec(block_size=64, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+    builder = object.__new__(FlashAttentionMetadataBuilder)
+    FlashAttentionMetadataBuilder.__init__(builder, spec, ["drafter.4", "drafter.5"], config, torch.device("cpu"))
+    assert (builder.num_heads_q, builder.num_heads_kv, builder.headdim) == (32, 8, 128)
+    # Layers that disagree on query heads keep the builder's own count; the spec still gives KV heads and size.
+    context["drafter.5"] = Layer(16)
+    FlashAttentionMetadataBuilder.__init__(builder, spec, ["drafter.4", "drafter.5"], config, torch.device("cpu"))
+    assert (builder.num_heads_q, builder.num_heads_kv, builder.headdim) == (64, 8, 128)
