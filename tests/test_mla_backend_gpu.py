@@ -129,3 +129,38 @@ def test_ddtree_mla_matches_target_and_replays_full_graphs(mla_pair, custom_refe
     del llm, model_runner
     free()
 
+
+
+def test_vllm_dflash_chain_on_v2_triton_mla_runs(mla_pair, monkeypatch) -> None:
+    """vLLM 0.26's own DFlash chain on Model Runner V2 + TRITON_MLA used to stop inside FA3 (``scheduler_metadata
+    must have shape``): TRITON_MLA keeps the target out of FULL graphs, so the drafter runs eagerly, and its FA3
+    metadata was planned with the MLA target's geometry (64 / 1 heads of 576) — FA3's own split heuristic then chose
+    differently for the metadata than for the kernel (32 / 8 heads of 128). With each FlashAttention group planned
+    with its own geometry (``patches/fa_geometry.py``) it decodes, losslessly."""
+    import vllm.envs as envs
+    from vllm import LLM
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    if envs._is_envs_cache_enabled():
+        envs.__getattr__.cache_clear()
+    want, margins = _greedy(mla_pair[0], attention_backend="TRITON_MLA")
+    spec = {"method": "dflash", "model": str(mla_pair[1]), "num_speculative_tokens": 7}
+    llm = LLM(model=str(mla_pair[0]), speculative_config=spec, attention_backend="TRITON_MLA", **ENGINE)
+    assert type(runner(llm)).__module__ == "vllm.v1.worker.gpu.model_runner"  # Model Runner V2
+    assert_equal_up_to_near_ties("V2 + TRITON_MLA dflash chain", generate(llm, prompts(), batch=8), want, margins)
+    del llm
+    free()
+
+
+def test_ddtree_mla_runs_eagerly(mla_pair, custom_reference) -> None:
+    """Without CUDA graphs (``enforce_eager``, or a batch above the largest capture size) every verify and drafter
+    step builds fresh metadata, FA3's for the drafter included: ddtree still decodes the target's greedy output."""
+    from vllm import LLM
+
+    want, margins = custom_reference("auto", "flashmla")
+    spec = {"method": "ddtree", "model": str(mla_pair[1]), "num_speculative_tokens": 7}
+    engine = {**ENGINE, "enforce_eager": True, "compilation_config": {"mode": 0, "cudagraph_mode": "NONE"}}
+    llm = LLM(model=str(mla_pair[0]), speculative_config=spec, **engine)
+    assert_equal_up_to_near_ties("ddtree eager", generate(llm, prompts(), batch=8), want, margins)
+    del llm
+    free()
