@@ -11,6 +11,8 @@ decode steps (pipelined like serving: async scheduling on V2). Decode steps repl
 reports how many timed steps ran and how many verify and drafter graph replays they made (V2), so a row whose steps
 fell out of the graphs shows it. Batch-1 steps of small targets are host-bound and shift by up to ~1.5 ms between
 processes; ``--rounds R`` runs every configuration R times, interleaved, and reports the median over rounds.
+The plugin is installed in every configuration's process, so vLLM's own chains run with its FlashAttention geometry
+fix too (``vllm_ddtree/patches/fa_geometry.py``): chain and ddtree drafters get the same FA3 plan.
 
 Targets:
   qwen3-4b  Qwen3-4B geometry (36 layers, GQA 32/8 heads); configs none, dflash, ddtree (all V2).
