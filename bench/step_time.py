@@ -18,8 +18,10 @@ Targets:
   qwen3-4b  Qwen3-4B geometry (36 layers, GQA 32/8 heads); configs none, dflash, ddtree (all V2).
   kimi-mla  DeepSeek-V3 architecture with Kimi-K2 attention (64 heads, kv_lora_rank 512, q_lora_rank 1536),
             4 dense layers, hidden 2048; configs none and dflash on V2 + FLASHMLA, dflash-v1 on V1 + TRITON_MLA
-            (the only MLA path without FlashMLA), ddtree on V2 + DDTree's MLA backend (FlashMLA context + our
-            tree tail), ddtree-own with our CUDA kernel for the whole verify (the portable path).
+            (the only MLA path without FlashMLA), dflash-v2-triton on V2 + TRITON_MLA (no FULL graphs: TRITON_MLA
+            supports single-token decode only; plain vLLM 0.26 stopped it inside FA3, see fa_geometry), ddtree on V2 +
+            DDTree's MLA backend (FlashMLA context + our tree tail), ddtree-own with our CUDA kernel for the whole
+            verify (the portable path).
 
     python bench/step_time.py --target qwen3-4b --budgets 8 16 --contexts 4096 32768 --batches 1 16 --out x.json
 """
@@ -68,7 +70,8 @@ TARGETS = {
         "none": (None, None, True, {}), "dflash": ("dflash", None, True, {}), "ddtree": ("ddtree", None, True, {})}),
     "kimi-mla": ("DeepseekV3ForCausalLM", KIMI_MLA, {
         "none": (None, "FLASHMLA", True, {}), "dflash": ("dflash", "FLASHMLA", True, {}),
-        "dflash-v1": ("dflash", "TRITON_MLA", False, {}), "ddtree": ("ddtree", None, True, {}),
+        "dflash-v1": ("dflash", "TRITON_MLA", False, {}), "dflash-v2-triton": ("dflash", "TRITON_MLA", True, {}),
+        "ddtree": ("ddtree", None, True, {}),
         "ddtree-own": ("ddtree", None, True, {"DDTREE_MLA_CONTEXT": "ddtree"})}),
 }  # fmt: skip
 
