@@ -146,7 +146,9 @@ def test_vllm_dflash_chain_on_v2_with_the_plugin_loaded(mla_pair, monkeypatch, b
     FlashAttention geometry among them). On FLASHMLA the chain stays lossless. On TRITON_MLA it must run to the end;
     its output is printed, not asserted: vLLM 0.26's chain on TRITON_MLA leaves the target's greedy output at clear
     winners by itself (H200: 1/50 identical, 38 clear divergences, the same on V1 and on V2, with and without this
-    plugin, also at 1 speculative token), while TRITON_MLA's own chunked prefill agrees with its decode."""
+    plugin, also at 1 speculative token), while TRITON_MLA's own chunked prefill agrees with its decode. Likely cause
+    (code reading): TRITON_MLA sends verify rows to MLA's prefill path, which sizes their context from
+    ``seq_lens_cpu_upper_bound``, optimistic for async spec-decode rows (every draft accepted)."""
     from vllm import LLM
 
     _use_v2(monkeypatch)
