@@ -57,11 +57,10 @@ struct KCfg {
   static constexpr int kUnits = BN * kUnitsPerRow;  // 16-byte cp.async units per chunk
   static constexpr int kLoadIters = (kUnits + kThreads - 1) / kThreads;
   // Warp tiles (see the top of the file): resident tiles split QK k-steps across a warp pair and give PV 32 rows.
-  static constexpr bool kSplitK = VRES;
   static constexpr int kPVM = VRES ? 2 : 1;   // 16-row blocks per warp in PV
   static constexpr int kPVNJ = VRES ? 2 : 4;  // 8-dim n-tiles per warp per V chunk
-  static constexpr int kQKM = kSplitK ? 2 : 1;   // 16-row blocks per warp in QK
-  static constexpr int kQKKS = kSplitK ? 2 : 4;  // k-steps per 64-dim chunk per warp in QK
+  static constexpr int kQKM = VRES ? 2 : 1;   // 16-row blocks per warp in QK
+  static constexpr int kQKKS = VRES ? 2 : 4;  // k-steps per 64-dim chunk per warp in QK
   static constexpr int kQKNT = BN / 16;  // 8-key n-tiles per warp in QK (warp covers BN/2 keys)
   static constexpr int kPVKS = BN / 16;  // 16-key k-steps in PV
   // The S exchange: each warp hands its partner 16 rows x BN/2 keys of fp32 partial sums; one half of the warps
@@ -149,9 +148,9 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
   const int rh = warp & 1;                                    // split QK: row half
   const int pv_row0 = VRES ? rh * 32 : (warp >> 1) * 16;      // PV: first row of this warp's O block
   const int pv_d0 = (VRES ? warp >> 1 : warp & 1) * 8 * C::kPVNJ;  // PV: first dim of its slice of every chunk
-  const int kq = C::kSplitK ? (warp >> 1) & 1 : warp & 1;     // QK: key half
-  const int dh = C::kSplitK ? warp >> 2 : 0;                  // QK: k-step half (split only)
-  const int qk_row0 = C::kSplitK ? rh * 32 : (warp >> 1) * 16;  // QK: first row of this warp's tile
+  const int kq = VRES ? (warp >> 1) & 1 : warp & 1;         // QK: key half
+  const int dh = VRES ? warp >> 2 : 0;                       // QK: k-step half (split only)
+  const int qk_row0 = VRES ? rh * 32 : (warp >> 1) * 16;  // QK: first row of this warp's tile
   const int g = lane >> 2, q4 = lane & 3;
   const int own0 = qk_row0 + dh * 16 + g, own1 = own0 + 8;  // the two rows whose softmax this thread keeps
   const int rt = blockIdx.x, part = blockIdx.y;
@@ -374,7 +373,7 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
       }
       {
         float sk[C::kQKNT][4];  // full S of rows own0, own1 over key half kq
-        if constexpr (C::kSplitK) {
+        if constexpr (VRES) {  // the split QK's S exchange
           // ---- the dh pair swaps 16-row blocks: this warp keeps block dh (rows own0, own1) with full sums
           __syncthreads();  // every warp is done reading chunk 8, whose buffer takes half of the exchange
           const uint32_t ex_off = ((rh * 2 + kq) * C::kQKNT * 4 * 32 + lane) * 4;
