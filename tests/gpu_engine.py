@@ -1,4 +1,5 @@
-"""Helpers for in-process vLLM engines in the GPU end-to-end tests: prompts, generation, graph-replay counting."""
+"""Helpers for in-process vLLM engines in the GPU end-to-end tests: prompts, generation, graph-replay counting (the
+CPU end-to-end tests share the prompt sets)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,15 @@ def in_process() -> None:
 def prompts(n: int = 50) -> list[dict]:
     rng = random.Random(0)
     return [{"prompt_token_ids": [rng.choice(range(2, 1000)) for _ in range(rng.randint(3, 60))]} for _ in range(n)]
+
+
+def shared_prefix_prompts(n: int = 16) -> list[dict]:
+    """Prompts of 160-300 tokens whose first 160 are shared: with small step budgets each is prefilled in chunks
+    beside other requests' decodes, and every request after the first finds its prefix cached."""
+    rng = random.Random(1)
+    shared = [rng.choice(range(2, 1000)) for _ in range(160)]
+    return [{"prompt_token_ids": shared + [rng.choice(range(2, 1000)) for _ in range(rng.randint(0, 140))]}
+            for _ in range(n)]
 
 
 def generate(llm, batch_prompts: list[dict], batch: int, **params) -> list[list[int]]:

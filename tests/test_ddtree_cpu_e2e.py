@@ -7,6 +7,7 @@ import random
 from pathlib import Path
 
 import pytest
+from gpu_engine import shared_prefix_prompts
 
 pytestmark = pytest.mark.e2e
 
@@ -124,4 +125,28 @@ def test_chain_only_features_and_sampling(tiny_pair: tuple[Path, Path],
     outs = llm.generate(prompts, sampled, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in outs)
     assert [list(o.outputs[0].token_ids) for o in outs][0::3] == greedy[0::3]
+    del llm
+
+
+def test_greedy_ddtree_with_chunked_prefill_and_prefix_hits(tiny_pair: tuple[Path, Path]) -> None:
+    """Serving splits long prompts into chunks that share a step with other requests' tree verifies, and reuses
+    cached prefixes: with 64-token steps, every prompt here is prefilled in 3-5 chunks beside decoding requests, and
+    all but the first requests find their first 160 tokens cached. Greedy ddtree output still equals the target's
+    under the same scheduling."""
+    from vllm import LLM
+
+    target, drafter = tiny_pair
+    engine = {**ENGINE, "max_num_batched_tokens": 64, "enable_prefix_caching": True, "block_size": 16}
+    prompts = shared_prefix_prompts()
+    llm = LLM(model=str(target), **engine)
+    want = _generate(llm, prompts, batch=8)
+    del llm
+    llm = LLM(model=str(target), speculative_config={
+        "method": "ddtree", "model": str(drafter), "num_speculative_tokens": 7,
+        "draft_load_config": {"load_format": "safetensors"}}, **engine)
+    assert _generate(llm, prompts, batch=8) == want
+    (ran,) = llm.collective_rpc(_worker_counters)
+    assert ran["tree_steps"] > 0 and ran["mixed_steps"] > 0, ran  # trees verified beside prefill chunks
+    metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    assert metrics["vllm:prefix_cache_hits"] > 0, metrics
     del llm

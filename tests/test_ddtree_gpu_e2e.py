@@ -17,6 +17,7 @@ from gpu_engine import (
     in_process,
     prompts,
     runner,
+    shared_prefix_prompts,
 )
 
 from vllm_ddtree.graph_replays import ReplayCounter
@@ -72,6 +73,23 @@ def test_greedy_ddtree_matches_target_and_replays_full_graphs(tiny_pair, referen
     del llm, model_runner
     free()
 
+
+def test_greedy_ddtree_with_chunked_prefill_and_prefix_hits(tiny_pair) -> None:
+    """Long prompts prefilled in 64-token chunks beside other requests' tree verifies (mixed steps, which V2 runs
+    outside the FULL graphs) and prefixes taken from the prefix cache: greedy output == the target's under the same
+    scheduling."""
+    from vllm import LLM
+
+    engine = {**ENGINE, "max_num_batched_tokens": 64, "enable_prefix_caching": True}
+    batch_prompts = shared_prefix_prompts()
+    want = generate_once(str(tiny_pair[0]), batch_prompts, 8, engine)
+    spec = {"method": "ddtree", "model": str(tiny_pair[1]), "num_speculative_tokens": 7}
+    llm = LLM(model=str(tiny_pair[0]), speculative_config=spec, **engine)
+    assert generate(llm, batch_prompts, batch=8) == want
+    metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    assert metrics["vllm:prefix_cache_hits"] > 0 and metrics["vllm:spec_decode_num_accepted_tokens"] > 0
+    del llm
+    free()
 
 def test_sampling_and_chain_features_finish(tiny_pair) -> None:
     from vllm import LLM

@@ -23,6 +23,7 @@ from gpu_engine import (
     in_process,
     prompts,
     runner,
+    shared_prefix_prompts,
 )
 
 from vllm_ddtree.graph_replays import ReplayCounter
@@ -50,12 +51,13 @@ def mla_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return tiny_models.write_mla_target(root / "target"), tiny_models.write_dflash_drafter(root / "drafter")
 
 
-def _greedy(target: Path, **engine) -> tuple[list[list[int]], list[list[float]]]:
+def _greedy(target: Path, batch_prompts: list[dict] | None = None,
+            **engine) -> tuple[list[list[int]], list[list[float]]]:
     """The target's greedy output on a fresh engine, with the log-prob gap of each chosen token to the runner-up."""
     from vllm import LLM
 
     llm = LLM(model=str(target), **{**ENGINE, **engine})
-    result = generate_with_margins(llm, prompts(), 8)
+    result = generate_with_margins(llm, batch_prompts or prompts(), 8)
     del llm
     free()
     return result
@@ -130,6 +132,24 @@ def test_ddtree_mla_matches_target_and_replays_full_graphs(mla_pair, custom_refe
     free()
 
 
+
+def test_ddtree_mla_with_chunked_prefill_and_prefix_hits(mla_pair) -> None:
+    """Long prompts prefilled in 64-token chunks (vLLM's MLA prefill over the cached context) in the same steps as
+    other requests' tree verifies (our MQA path), prefixes from the prefix cache: ddtree decodes the target's greedy
+    output on the same backend and scheduling."""
+    from vllm import LLM
+
+    engine = {"max_num_batched_tokens": 64, "enable_prefix_caching": True}
+    batch_prompts = shared_prefix_prompts()
+    want, margins = _greedy(mla_pair[0], batch_prompts, attention_backend="CUSTOM", **engine)
+    spec = {"method": "ddtree", "model": str(mla_pair[1]), "num_speculative_tokens": 7}
+    llm = LLM(model=str(mla_pair[0]), speculative_config=spec, **{**ENGINE, **engine})
+    got = generate(llm, batch_prompts, batch=8)
+    assert_equal_up_to_near_ties("ddtree MLA, chunked prefill + prefix hits", got, want, margins)
+    metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    assert metrics["vllm:prefix_cache_hits"] > 0
+    del llm
+    free()
 
 def _use_v2(monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM's own DFlash chain on Model Runner V2 (the plugin selects V2 only for ddtree)."""

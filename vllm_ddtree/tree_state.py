@@ -71,8 +71,10 @@ class DDTreeStepState:
         self.batch: BatchTrees | None = None
         self.paths: AcceptedPaths | None = None
         # What actually ran (read by tests and debugging through collective_rpc): steps verified as trees, tree
-        # rows that branch, and accepted paths that left the first-child chain (their KV was compacted).
-        self.counters = {"tree_steps": 0, "chain_steps": 0, "branching_rows": 0, "off_chain_paths": 0}
+        # rows that branch, accepted paths that left the first-child chain (their KV was compacted), and steps that
+        # verified trees beside rows without drafts (prefill chunks, new requests).
+        self.counters = {"tree_steps": 0, "chain_steps": 0, "branching_rows": 0, "off_chain_paths": 0,
+                         "mixed_steps": 0}
 
     def record_proposal(self, req_ids: list[str], trees: DraftTrees) -> None:
         """Remember the trees just proposed, row i belonging to ``req_ids[i]``."""
@@ -102,12 +104,14 @@ class DDTreeStepState:
         parents = chain_parents.repeat(batch, 1)
         anc_bits = causal_bits(self.width, torch.device("cpu")).repeat(batch, 1)
         num_nodes = torch.zeros(batch, dtype=torch.int64)
+        trees = 0
         for b, (req_id, tokens) in enumerate(zip(req_ids, drafts, strict=True)):
             k = len(tokens)
             num_nodes[b] = k
             row = self.proposed_tree(req_id, tokens) if k and not chain_only else None
             if row is None:
                 continue
+            trees += 1
             assert self._proposed is not None
             parents[b] = self._proposed.parents[row].cpu()
             self.counters["branching_rows"] += int(not torch.equal(parents[b, : k + 1], chain_parents[: k + 1]))
@@ -116,6 +120,7 @@ class DDTreeStepState:
             depth = self._proposed.depth[row, : k + 1].to(positions.device)
             start = query_start[b]
             positions[start : start + k + 1] = positions[start] + depth
+        self.counters["mixed_steps"] += int(0 < trees and any(not tokens for tokens in drafts))
         self.masks.anc_bits[:batch] = anc_bits.to(self.device)
         self.masks.active = True
         self.batch = BatchTrees(
