@@ -130,9 +130,9 @@ def test_chain_only_features_and_sampling(tiny_pair: tuple[Path, Path],
 
 def test_greedy_ddtree_with_chunked_prefill_and_prefix_hits(tiny_pair: tuple[Path, Path]) -> None:
     """Serving splits long prompts into chunks that share a step with other requests' tree verifies, and reuses
-    cached prefixes: with 64-token steps, every prompt here is prefilled in 3-5 chunks beside decoding requests, and
-    all but the first requests find their first 160 tokens cached. Greedy ddtree output still equals the target's
-    under the same scheduling."""
+    cached prefixes: with 64-token steps every prompt here is prefilled in chunks, some in the same steps as other
+    requests' trees (counted), and the second batch finds the shared 160 tokens cached. Greedy ddtree output still
+    equals the target's under the same scheduling."""
     from vllm import LLM
 
     target, drafter = tiny_pair

@@ -91,6 +91,7 @@ def test_greedy_ddtree_with_chunked_prefill_and_prefix_hits(tiny_pair) -> None:
     del llm
     free()
 
+
 def test_sampling_and_chain_features_finish(tiny_pair) -> None:
     from vllm import LLM
 
