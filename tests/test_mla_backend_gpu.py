@@ -63,6 +63,12 @@ def _greedy(target: Path, batch_prompts: list[dict] | None = None,
     return result
 
 
+def _drafter_fa_geometry(model_runner) -> set[tuple[int, int, int]]:
+    """(query heads, KV heads, head size) the drafter's FlashAttention builders plan FA3's scheduler metadata with."""
+    builders = [g.get_metadata_builder(0) for groups in model_runner.speculator.attn_groups for g in groups]
+    return {(b.num_heads_q, b.num_heads_kv, b.headdim) for b in builders}
+
+
 def _identical(a: list[list[int]], b: list[list[int]]) -> int:
     return sum(x == y for x, y in zip(a, b, strict=True))
 
@@ -114,8 +120,7 @@ def test_ddtree_mla_matches_target_and_replays_full_graphs(mla_pair, custom_refe
     model_runner = runner(llm)
     assert isinstance(model_runner.speculator, DDTreeSpeculator)
     assert DDTreeMLABackend in {g.backend for groups in model_runner.attn_groups for g in groups}
-    drafter_fa = [g.get_metadata_builder(0) for groups in model_runner.speculator.attn_groups for g in groups]
-    assert {(b.num_heads_q, b.num_heads_kv, b.headdim) for b in drafter_fa} == {(HEADS, KV_HEADS, HEAD_DIM)}, (
+    assert _drafter_fa_geometry(model_runner) == {(HEADS, KV_HEADS, HEAD_DIM)}, (
         "the drafter's FA3 scheduler metadata must be planned with the drafter's geometry, not the MLA target's")
     verify = ReplayCounter(model_runner.cudagraph_manager)
     draft = ReplayCounter(model_runner.speculator.query_cudagraph_manager)
@@ -130,7 +135,6 @@ def test_ddtree_mla_matches_target_and_replays_full_graphs(mla_pair, custom_refe
         assert all(len(t) == MAX_TOKENS for t in sampled)
     del llm, model_runner
     free()
-
 
 
 def test_ddtree_mla_with_chunked_prefill_and_prefix_hits(mla_pair) -> None:
@@ -150,6 +154,7 @@ def test_ddtree_mla_with_chunked_prefill_and_prefix_hits(mla_pair) -> None:
     assert metrics["vllm:prefix_cache_hits"] > 0
     del llm
     free()
+
 
 def _use_v2(monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM's own DFlash chain on Model Runner V2 (the plugin selects V2 only for ddtree)."""
@@ -208,8 +213,7 @@ def test_vllm_dflash_chain_on_v2_triton_mla_runs_at_kimi_k2_geometry(tmp_path, m
               **ENGINE)  # fmt: skip
     model_runner = runner(llm)
     assert type(model_runner).__module__ == "vllm.v1.worker.gpu.model_runner"  # Model Runner V2
-    drafter_fa = [g.get_metadata_builder(0) for groups in model_runner.speculator.attn_groups for g in groups]
-    assert {(b.num_heads_q, b.num_heads_kv, b.headdim) for b in drafter_fa} == {draft_geometry}
+    assert _drafter_fa_geometry(model_runner) == {draft_geometry}
     assert all(len(tokens) == MAX_TOKENS for tokens in generate(llm, prompts(16), batch=8))
     del llm, model_runner
     free()
