@@ -31,10 +31,11 @@ from vllm_ddtree.tiny_models import HEAD_DIM, HEADS, KV_HEADS
 
 pytestmark = pytest.mark.gpu
 
-# A fixed KV-cache size: the engines of one process run back to back, and a released predecessor must not trip
-# vLLM's free-memory check while the next one profiles.
+# A fixed KV-cache size and a start-up bound well below the GPU: the engines of one process run back to back, and
+# what released predecessors still hold (12 GiB after eight engines on the H200) must not trip vLLM's free-memory
+# check at start-up (at the default 0.92 it stopped every later engine of the file).
 ENGINE = dict(max_model_len=1024, dtype="bfloat16", max_num_seqs=8, seed=0, skip_tokenizer_init=True,
-              kv_cache_memory_bytes=1 << 30, block_size=64, disable_log_stats=False,
+              kv_cache_memory_bytes=1 << 30, gpu_memory_utilization=0.5, block_size=64, disable_log_stats=False,
               compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})
 
 
