@@ -75,6 +75,14 @@ def read_probes(worker: Any) -> tuple[list[float], int, int]:
     return read
 
 
+def kv_capacity(worker: Any) -> float:
+    """How many requests of ``max_model_len`` tokens the worker's KV cache holds at once (vLLM's own count, the
+    "maximum concurrency" it logs): a bench whose batch exceeds it would time preemptions, not decode steps."""
+    from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
+
+    return get_max_concurrency_for_kv_cache_config(worker.vllm_config, worker.model_runner.kv_cache_config)
+
+
 def start_profiler(worker: Any) -> None:
     import torch
 

@@ -10,7 +10,10 @@ runner's ``execute_model`` records when each step starts; the step time is the m
 decode steps (pipelined like serving: async scheduling on V2). Decode steps replay FULL CUDA graphs; each row
 reports how many timed steps ran and how many verify and drafter graph replays they made (V2), so a row whose steps
 fell out of the graphs shows it. Batch-1 steps of small targets are host-bound and shift by up to ~1.5 ms between
-processes; ``--rounds R`` runs every configuration R times, interleaved, and reports the median over rounds.
+processes and over time; ``--rounds R`` runs every configuration R times, interleaved, and reports the median over
+rounds; ``--paired`` keeps the engines of one budget alive at once (``bench/paired_children.py``, an equal share of
+the GPU memory each) and alternates their timed repeats, so a ratio compares steps timed seconds apart. Every engine
+checks that its KV cache holds the largest batch at the longest context (else it would time preemptions).
 The plugin is installed in every configuration's process, so vLLM's own chains run with its FlashAttention geometry
 fix too (``vllm_ddtree/patches/fa_geometry.py``): chain and ddtree drafters get the same FA3 plan.
 
@@ -43,12 +46,14 @@ from engine_probes import (
     engine_process_env,
     full_graph_sizes,
     install_probes,
+    kv_capacity,
     read_probes,
     run_on_worker,
     shut_down,
     start_profiler,
     stop_profiler,
 )
+from paired_children import Child, interleaved_rows
 
 DRAFT_LAYERS = 2
 DRAFT_BLOCK = 16
@@ -95,59 +100,143 @@ def write_models(root: Path, target_name: str) -> tuple[Path, Path]:
     return target, drafter
 
 
+class EngineBench:
+    """One configuration's engine (in this process; its engine core in another unless ``--inline``), measured one
+    (context, batch) cell at a time: ``cell`` prefills and warms every graph, each ``repeat`` times one generate."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        spec_method, backend, self.v2, env = TARGETS[args.target][2][args.method]
+        os.environ.update(env)
+        os.environ.update(engine_process_env(args.inline))
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if self.v2 else "0"
+        from vllm import LLM
+
+        self.args, self.spec = args, spec_method
+        target, drafter = write_models(Path(args.workdir), args.target)
+        spec = None
+        if spec_method:
+            spec = {"method": spec_method, "model": str(drafter), "num_speculative_tokens": args.budget}
+        self.llm = LLM(
+            model=str(target), load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, seed=0,
+            max_model_len=max(args.contexts) + 512, max_num_seqs=max(args.batches),
+            gpu_memory_utilization=args.gpu_memory, speculative_config=spec, enable_prefix_caching=True,
+            attention_backend=backend,
+            compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
+                                "cudagraph_capture_sizes": full_graph_sizes(args.batches, spec_method, args.budget,
+                                                                            DRAFT_BLOCK)},
+        )  # fmt: skip
+        capacity = self.on_worker(kv_capacity)
+        if capacity < max(args.batches):
+            raise SystemExit(f"{args.method}: the KV cache holds {capacity:.1f} requests of {max(args.contexts) + 512} "
+                             f"tokens, the batch is {max(args.batches)}; give each engine more memory (fewer "
+                             f"configurations per --paired group, or no --paired)")  # fmt: skip
+        self.on_worker(install_probes)
+
+    def on_worker(self, fn: Any) -> Any:
+        return run_on_worker(self.llm, fn, self.args.inline)
+
+    def cell(self, context: int, batch: int) -> None:
+        from vllm import SamplingParams
+
+        self.context, self.batch = context, batch
+        self.prompts = [{"prompt_token_ids": [(7 * i + 13 * r) % 150000 + 2 for i in range(context)]}
+                        for r in range(batch)]  # fmt: skip
+        self.params = SamplingParams(temperature=0.0, max_tokens=1 + self.args.steps, ignore_eos=True)
+        self.llm.generate(self.prompts, self.params, use_tqdm=False)  # prefill into the prefix cache, warm the graphs
+        self.on_worker(read_probes)
+        self.samples: list[float] = []
+        self.counts = [0, 0, 0]  # steps, verify replays, drafter replays
+
+    def repeat(self) -> None:
+        self.llm.generate(self.prompts, self.params, use_tqdm=False)
+        starts, verify, draft = self.on_worker(read_probes)
+        self.samples.append(statistics.median([b - a for a, b in pairwise(starts)][3:]))  # skip prefill, ramp-up
+        self.counts = [self.counts[0] + len(starts), self.counts[1] + verify, self.counts[2] + draft]
+
+    def profile(self, directory: str) -> None:
+        args = self.args
+        self.on_worker(start_profiler)
+        self.llm.generate(self.prompts, self.params, use_tqdm=False)
+        out = Path(directory) / f"{args.target}-{args.method}-{args.budget}-{self.context}-b{self.batch}.txt"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(f"{args.method} budget {args.budget}: one generate of {1 + args.steps} tokens (first "
+                       f"is prefill), engine process\n" + self.on_worker(stop_profiler))  # fmt: skip
+
+    def row(self) -> dict:
+        return {"method": self.args.method, "budget": self.args.budget if self.spec else 0,
+                "width": 1 + self.args.budget if self.spec else 1, "context": self.context, "batch": self.batch,
+                "step_ms": round(1e3 * statistics.median(self.samples), 4),
+                "samples_ms": [round(1e3 * s, 4) for s in self.samples], "steps": self.counts[0],
+                "verify_graph_replays": self.counts[1] if self.v2 else None,
+                "draft_graph_replays": self.counts[2] if self.v2 and self.spec else None}  # fmt: skip
+
+    def close(self) -> None:
+        shut_down(self.llm)
+
+
 def run_one(args: argparse.Namespace) -> None:
     """Child process: one engine, every (context, batch); prints one JSON line per measurement."""
-    spec_method, backend, v2, env = TARGETS[args.target][2][args.method]
-    os.environ.update(env)
-    os.environ.update(engine_process_env(args.inline))
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if v2 else "0"
-    from vllm import LLM, SamplingParams
-
-    target, drafter = write_models(Path(args.workdir), args.target)
-    width = 1 + args.budget if spec_method else 1
-    spec = None
-    if spec_method:
-        spec = {"method": spec_method, "model": str(drafter), "num_speculative_tokens": args.budget}
-    llm = LLM(
-        model=str(target), load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, seed=0,
-        max_model_len=max(args.contexts) + 512, max_num_seqs=max(args.batches), gpu_memory_utilization=0.85,
-        speculative_config=spec, enable_prefix_caching=True, attention_backend=backend,
-        compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
-                            "cudagraph_capture_sizes": full_graph_sizes(args.batches, spec_method, args.budget,
-                                                                        DRAFT_BLOCK)},
-    )  # fmt: skip
-
-    def on_worker(fn: Any) -> Any:
-        return run_on_worker(llm, fn, args.inline)
-
-    on_worker(install_probes)
+    bench = EngineBench(args)
     for context in args.contexts:
         for batch in args.batches:
-            prompts = [{"prompt_token_ids": [(7 * i + 13 * r) % 150000 + 2 for i in range(context)]}
-                       for r in range(batch)]
-            params = SamplingParams(temperature=0.0, max_tokens=1 + args.steps, ignore_eos=True)
-            llm.generate(prompts, params, use_tqdm=False)  # prefill into the prefix cache, warm every graph
-            on_worker(read_probes)
-            samples, counts = [], [0, 0, 0]  # steps, verify replays, drafter replays
+            bench.cell(context, batch)
             for _ in range(args.repeats):
-                llm.generate(prompts, params, use_tqdm=False)
-                starts, verify, draft = on_worker(read_probes)
-                samples.append(statistics.median([b - a for a, b in pairwise(starts)][3:]))  # skip prefill, ramp-up
-                counts = [counts[0] + len(starts), counts[1] + verify, counts[2] + draft]
+                bench.repeat()
             if args.profile:
-                on_worker(start_profiler)
-                llm.generate(prompts, params, use_tqdm=False)
-                out = Path(args.profile) / f"{args.target}-{args.method}-{args.budget}-{context}-b{batch}.txt"
-                out.parent.mkdir(parents=True, exist_ok=True)
-                out.write_text(f"{args.method} budget {args.budget}: one generate of {1 + args.steps} tokens (first "
-                               f"is prefill), engine process\n" + on_worker(stop_profiler))  # fmt: skip
-            row = {"method": args.method, "budget": args.budget if spec else 0, "width": width, "context": context,
-                   "batch": batch, "step_ms": round(1e3 * statistics.median(samples), 4),
-                   "samples_ms": [round(1e3 * s, 4) for s in samples], "steps": counts[0],
-                   "verify_graph_replays": counts[1] if v2 else None,
-                   "draft_graph_replays": counts[2] if v2 and spec else None}
-            print("RESULT " + json.dumps(row), flush=True)
-    shut_down(llm)
+                bench.profile(args.profile)
+            print("RESULT " + json.dumps(bench.row()), flush=True)
+    bench.close()
+
+
+def serve_one(args: argparse.Namespace) -> None:
+    """Child process driven by ``paired_children``: ``READY``, then one answer per command line on stdin."""
+    bench = EngineBench(args)
+    print("READY", flush=True)
+    for line in sys.stdin:
+        command, *values = line.split()
+        if command == "cell":
+            bench.cell(*map(int, values))
+            print("OK", flush=True)
+        elif command == "repeat":
+            bench.repeat()
+            print("OK", flush=True)
+        elif command == "row":
+            print("RESULT " + json.dumps(bench.row()), flush=True)
+        else:
+            raise SystemExit(f"unknown command '{line.strip()}'")
+    bench.close()
+
+
+def _child_cmd(args: argparse.Namespace, workdir: str, method: str, budget: int, gpu_memory: float) -> list[str]:
+    return [sys.executable, __file__, "--target", args.target, "--one", method, str(budget), "--workdir", workdir,
+            "--steps", str(args.steps), "--repeats", str(args.repeats), "--gpu-memory", str(gpu_memory),
+            "--contexts", *map(str, args.contexts), "--batches", *map(str, args.batches),
+            *(["--inline"] if args.inline else [])]  # fmt: skip
+
+
+def _paired_rows(args: argparse.Namespace, workdir: str, group: list[tuple[str, int]]) -> list[dict]:
+    """One group's engines, started one after the other (each finds the memory its predecessors took gone), then
+    measured with their repeats interleaved."""
+    children: list[Child] = []
+    try:
+        for method, budget in group:
+            cmd = _child_cmd(args, workdir, method, budget, args.gpu_memory / len(group)) + ["--serve"]
+            children.append(Child(cmd, f"{method} budget {budget}"))
+        cells = [(context, batch) for context in args.contexts for batch in args.batches]
+        return interleaved_rows(children, cells, args.repeats)
+    finally:
+        for child in children:
+            child.close()
+
+
+def paired_groups(configs: list[tuple[str, int]]) -> list[list[tuple[str, int]]]:
+    """The configurations whose engines live at once: every speculative one of a budget, the first budget's group
+    also taking the non-speculative ones (their rows do not depend on the budget)."""
+    budgets = list(dict.fromkeys(b for _, b in configs if b))
+    plain = [c for c in configs if not c[1]]
+    if not budgets:
+        return [plain]
+    return [(plain if i == 0 else []) + [c for c in configs if c[1] == b] for i, b in enumerate(budgets)]
 
 
 def main() -> None:
@@ -166,13 +255,20 @@ def main() -> None:
                         help="also write a torch.profiler table per configuration, context and batch here (round 0)")
     parser.add_argument("--inline", action="store_true",
                         help="run the engine core inside the bench process (how the earlier JSON was measured)")
+    parser.add_argument("--paired", action="store_true",
+                        help="keep every configuration of a budget alive at once and alternate their timed repeats "
+                             "(each engine gets an equal share of --gpu-memory)")
+    parser.add_argument("--gpu-memory", type=float, default=0.85, help="vLLM's gpu_memory_utilization (all engines)")
     parser.add_argument("--one", nargs=2, metavar=("METHOD", "BUDGET"), help=argparse.SUPPRESS)
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         args.method, args.budget = args.one[0], int(args.one[1])
-        run_one(args)
+        serve_one(args) if args.serve else run_one(args)
         return
+    if args.paired and args.profile:
+        parser.error("--profile times one engine at a time; run it without --paired")
     names = args.configs or list(TARGETS[args.target][2])
     unknown = sorted(set(names) - set(TARGETS[args.target][2]))
     if unknown:
@@ -183,14 +279,17 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as workdir:
         for round_index in range(args.rounds):
+            if args.paired:
+                for group in paired_groups(configs):
+                    for row in _paired_rows(args, workdir, group):
+                        rows.append(dict(row, round=round_index))
+                        print("RESULT " + json.dumps(row), flush=True)
+                    _write(args, rows)
+                continue
             for method, budget in configs:
-                cmd = [sys.executable, __file__, "--target", args.target, "--one", method, str(budget), "--workdir",
-                       workdir, "--steps", str(args.steps), "--repeats", str(args.repeats), "--contexts",
-                       *map(str, args.contexts), "--batches", *map(str, args.batches)]  # fmt: skip
+                cmd = _child_cmd(args, workdir, method, budget, args.gpu_memory)
                 if args.profile and round_index == 0:
                     cmd += ["--profile", args.profile]
-                if args.inline:
-                    cmd.append("--inline")
                 for row in result_rows(cmd, f"{method} budget {budget} round {round_index}"):
                     rows.append(dict(row, round=round_index))
                     print("RESULT " + json.dumps(row), flush=True)

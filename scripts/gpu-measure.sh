@@ -7,7 +7,7 @@
 #   bash scripts/gpu-measure.sh --background STAGE...    # start them in their own session and return at once
 #   bash scripts/gpu-measure.sh poll SECONDS             # wait, then print progress and pack $RESULTS
 # Stages:
-#   step-a       budgets 8 16: Qwen3-4B geometry | Kimi-K2-attention MLA (+ V1 chain)
+#   step-a       budgets 8 16: Qwen3-4B geometry | Kimi-K2-attention MLA (+ V1 chain; --paired)
 #   step-b       budgets 32 63, the same two targets
 #   acceptance   embedded pairs, budgets 8 16 32 63: GQA | MLA
 #   ops          tree ops incl. the drafter top-k | the MLA kernel vs baselines
@@ -31,7 +31,7 @@ jobs_of() {
       tag=${1#step-}; budgets="8 16"; [ "$1" = step-b ] && budgets="32 63"
       echo "0 step_qwen3_$tag bench/step_time.py --target qwen3-4b --budgets $budgets --out $r/step_qwen3_$tag.json"
       echo "1 step_kimi_$tag bench/step_time.py --target kimi-mla --configs none dflash dflash-v1 ddtree" \
-           "--budgets $budgets --out $r/step_kimi_$tag.json" ;;
+           "--budgets $budgets --paired --out $r/step_kimi_$tag.json" ;;
     acceptance)
       echo "0 acc_gqa bench/acceptance.py --pairs gqa --out $r/acc_gqa.json"
       echo "1 acc_mla bench/acceptance.py --pairs mla --out $r/acc_mla.json" ;;

@@ -58,3 +58,69 @@ def test_probes_reach_the_engine_process(tmp_path: Path, monkeypatch: pytest.Mon
     assert verify == draft == 0  # a V1 runner has no graph manager to count
     assert run_on_worker(llm, read_probes, inline=False)[0] == []  # a read resets the clock
     shut_down(llm)
+
+
+FAKE_CHILD = """
+import json, sys
+name, log = sys.argv[1], sys.argv[2]
+print("vLLM-like log line", flush=True)
+print("READY", flush=True)
+cell, repeats = None, 0
+for line in sys.stdin:
+    command = line.split()
+    with open(log, "a") as f:
+        f.write(f"{name} {line.strip()}\\n")
+    if command[0] == "cell":
+        cell, repeats = [int(v) for v in command[1:]], 0
+        print("OK", flush=True)
+    elif command[0] == "repeat":
+        if name == "broken":
+            sys.exit("the engine stopped")
+        repeats += 1
+        print("OK", flush=True)
+    else:
+        print("RESULT " + json.dumps({"method": name, "context": cell[0], "batch": cell[1], "repeats": repeats}),
+              flush=True)
+"""
+
+
+def _fake_children(tmp_path: Path, names: list[str]) -> tuple[list, Path]:
+    from paired_children import Child
+
+    script, log = tmp_path / "child.py", tmp_path / "log.txt"
+    script.write_text(FAKE_CHILD)
+    return [Child([sys.executable, str(script), name, str(log)], name) for name in names], log
+
+
+def test_paired_children_alternate_their_repeats(tmp_path: Path) -> None:
+    """Every child prepares a cell before any is timed, the timed repeats alternate with a rotating first child, and
+    each child reports its row for the cell; one command at a time, so no two engines ever work at once."""
+    from paired_children import interleaved_rows
+
+    children, log = _fake_children(tmp_path, ["chain", "tree"])
+    rows = interleaved_rows(children, [(4096, 1), (32768, 16)], repeats=3)
+    for child in children:
+        child.close()
+    assert rows == [{"method": m, "context": c, "batch": b, "repeats": 3}
+                    for c, b in [(4096, 1), (32768, 16)] for m in ("chain", "tree")]  # fmt: skip
+    cell = ["chain cell {}", "tree cell {}", "chain repeat", "tree repeat", "tree repeat", "chain repeat",
+            "chain repeat", "tree repeat", "chain row", "tree row"]  # fmt: skip
+    want = [c.format("4096 1") for c in cell] + [c.format("32768 16") for c in cell]
+    assert log.read_text().splitlines() == want
+
+
+def test_a_paired_child_that_dies_names_itself_and_its_error(tmp_path: Path) -> None:
+    from paired_children import ChildDied, interleaved_rows
+
+    children, _ = _fake_children(tmp_path, ["chain", "broken"])
+    with pytest.raises(ChildDied, match=r"(?s)broken exited \(rc 1\) while waiting for OK.*the engine stopped"):
+        interleaved_rows(children, [(4096, 1)], repeats=2)
+    for child in children:
+        child.close()
+
+
+def test_paired_groups_keep_one_budget_alive_at_once() -> None:
+    configs = [("none", 0), ("dflash", 8), ("ddtree", 8), ("dflash", 16), ("ddtree", 16)]
+    assert step_time.paired_groups(configs) == [[("none", 0), ("dflash", 8), ("ddtree", 8)],
+                                                [("dflash", 16), ("ddtree", 16)]]  # fmt: skip
+    assert step_time.paired_groups([("none", 0)]) == [[("none", 0)]]
