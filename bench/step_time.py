@@ -15,16 +15,18 @@ rounds; ``--paired`` keeps the engines of one budget alive at once (``bench/pair
 the GPU memory each) and alternates their timed repeats, so a ratio compares steps timed seconds apart. Every engine
 checks that its KV cache holds the largest batch at the longest context (else it would time preemptions).
 The plugin is installed in every configuration's process, so vLLM's own chains run with its FlashAttention geometry
-fix too (``vllm_ddtree/patches/fa_geometry.py``): chain and ddtree drafters get the same FA3 plan.
+fix too (``vllm_ddtree/patches/fa_geometry.py``): chain and ddtree drafters get the same FA3 plan. The one exception,
+``dflash-v1-plain``, runs vLLM 0.26 as shipped (``VLLM_PLUGINS=none``): the V1 chain a user has without this plugin,
+whose drafter FA3 is planned with the MLA target's geometry.
 
 Targets:
   qwen3-4b  Qwen3-4B geometry (36 layers, GQA 32/8 heads); configs none, dflash, ddtree (all V2).
   kimi-mla  DeepSeek-V3 architecture with Kimi-K2 attention (64 heads, kv_lora_rank 512, q_lora_rank 1536),
             4 dense layers, hidden 2048; configs none and dflash on V2 + FLASHMLA, dflash-v1 on V1 + TRITON_MLA
-            (the only MLA path without FlashMLA), dflash-v2-triton on V2 + TRITON_MLA (no FULL graphs: TRITON_MLA
-            supports single-token decode only; plain vLLM 0.26 stopped it inside FA3, see fa_geometry), ddtree on V2 +
-            DDTree's MLA backend (FlashMLA context + our tree tail), ddtree-own with our CUDA kernel for the whole
-            verify (the portable path).
+            (the only MLA path without FlashMLA; dflash-v1-plain the same without the plugin), dflash-v2-triton
+            on V2 + TRITON_MLA (no FULL graphs: TRITON_MLA supports single-token decode only; plain vLLM 0.26
+            stopped it inside FA3, see fa_geometry), ddtree on V2 + DDTree's MLA backend (FlashMLA context + our
+            tree tail), ddtree-own with our CUDA kernel for the whole verify (the portable path).
 
     python bench/step_time.py --target qwen3-4b --budgets 8 16 --contexts 4096 32768 --batches 1 16 --out x.json
 """
@@ -75,7 +77,8 @@ TARGETS = {
         "none": (None, None, True, {}), "dflash": ("dflash", None, True, {}), "ddtree": ("ddtree", None, True, {})}),
     "kimi-mla": ("DeepseekV3ForCausalLM", KIMI_MLA, {
         "none": (None, "FLASHMLA", True, {}), "dflash": ("dflash", "FLASHMLA", True, {}),
-        "dflash-v1": ("dflash", "TRITON_MLA", False, {}), "dflash-v2-triton": ("dflash", "TRITON_MLA", True, {}),
+        "dflash-v1": ("dflash", "TRITON_MLA", False, {}), "dflash-v1-plain": ("dflash", "TRITON_MLA", False, {
+            "VLLM_PLUGINS": "none"}), "dflash-v2-triton": ("dflash", "TRITON_MLA", True, {}),
         "ddtree": ("ddtree", None, True, {}),
         "ddtree-own": ("ddtree", None, True, {"DDTREE_MLA_CONTEXT": "ddtree"})}),
 }  # fmt: skip
@@ -295,12 +298,12 @@ def main() -> None:
                     print("RESULT " + json.dumps(row), flush=True)
                     _write(args, rows)
     table = _write(args, rows)
-    print(f"{'config':10} {'budget':>6} {'ctx':>6} {'batch':>5} {'step ms':>8} {'vs chain':>8} {'vs V1 chain':>11}")
+    print(f"{'config':15} {'budget':>6} {'ctx':>6} {'batch':>5} {'step ms':>8} {'vs chain':>8} {'vs V1 chain':>11} "
+          f"{'vs plain V1':>11}")
     for r in table:
-        ratio = f"{r['vs_chain']:.3f}" if r.get("vs_chain") else ""
-        ratio_v1 = f"{r['vs_chain_v1']:.3f}" if r.get("vs_chain_v1") else ""
-        print(f"{r['method']:10} {r['budget']:>6} {r['context']:>6} {r['batch']:>5} {r['step_ms']:>8.3f} {ratio:>8} "
-              f"{ratio_v1:>11}")
+        ratios = [f"{r[key]:.3f}" if r.get(key) else "" for key in ("vs_chain", "vs_chain_v1", "vs_chain_v1_plain")]
+        print(f"{r['method']:15} {r['budget']:>6} {r['context']:>6} {r['batch']:>5} {r['step_ms']:>8.3f} "
+              f"{ratios[0]:>8} {ratios[1]:>11} {ratios[2]:>11}")
 
 
 def combine_rounds(rows: list[dict]) -> list[dict]:
@@ -324,15 +327,22 @@ def combine_rounds(rows: list[dict]) -> list[dict]:
 
 
 def _write(args: argparse.Namespace, rows: list[dict]) -> list[dict]:
-    """The JSON report; every speculative row gets its ratio to the V2 chain step of the same width, context, batch."""
+    """The JSON report; every speculative row gets its ratio to the V2 chain step of the same width, context and
+    batch, and every ddtree row its ratios to the V1 chains (with the plugin, and as vLLM ships it)."""
     rows = combine_rounds(rows)
-    chain = {(r["budget"], r["context"], r["batch"]): r["step_ms"] for r in rows if r["method"] == "dflash"}
-    chain_v1 = {(r["budget"], r["context"], r["batch"]): r["step_ms"] for r in rows if r["method"] == "dflash-v1"}
+
+    def steps_of(method: str) -> dict[tuple, float]:
+        return {(r["budget"], r["context"], r["batch"]): r["step_ms"] for r in rows if r["method"] == method}
+
+    chain = steps_of("dflash")
+    chains_v1 = {"vs_chain_v1": steps_of("dflash-v1"), "vs_chain_v1_plain": steps_of("dflash-v1-plain")}
     for r in rows:
-        ref = chain.get((r["budget"], r["context"], r["batch"])) if r["budget"] else None
+        cell = (r["budget"], r["context"], r["batch"])
+        ref = chain.get(cell) if r["budget"] else None
         r["vs_chain"] = round(r["step_ms"] / ref, 3) if ref and r["method"] != "dflash" else None
-        ref_v1 = chain_v1.get((r["budget"], r["context"], r["batch"])) if r["budget"] else None
-        r["vs_chain_v1"] = round(r["step_ms"] / ref_v1, 3) if ref_v1 and r["method"].startswith("ddtree") else None
+        for key, steps in chains_v1.items():
+            ref_v1 = steps.get(cell) if r["budget"] else None
+            r[key] = round(r["step_ms"] / ref_v1, 3) if ref_v1 and r["method"].startswith("ddtree") else None
     arch, geometry, configs = TARGETS[args.target]
     args.out.write_text(json.dumps({
         "machine": "H200", "target": {"name": args.target, "architecture": arch, **geometry},

@@ -25,13 +25,16 @@ def test_rounds_combine_to_their_median_and_ratios_use_it(tmp_path: Path) -> Non
     rows = [row("dflash", 16, ms, i) for i, ms in enumerate([4.0, 3.0, 5.0])]
     rows += [row("ddtree", 16, ms, i) for i, ms in enumerate([3.5, 9.0, 4.2])]
     rows += [row("dflash-v1", 16, ms, i, None) for i, ms in enumerate([14.0, 14.0, 16.0])]
+    rows += [row("dflash-v1-plain", 16, ms, i, None) for i, ms in enumerate([20.0, 21.0, 19.0])]
     args = argparse.Namespace(target="kimi-mla", rounds=3, out=tmp_path / "r.json")
     table = step_time._write(args, rows)
     by_method = {r["method"]: r for r in table}
-    assert len(table) == 3 and all("round" not in r for r in table)
+    assert len(table) == 4 and all("round" not in r for r in table)
     assert by_method["ddtree"]["round_ms"] == [3.5, 9.0, 4.2] and by_method["ddtree"]["step_ms"] == 4.2
     assert by_method["ddtree"]["vs_chain"] == round(4.2 / 4.0, 3)
     assert by_method["ddtree"]["vs_chain_v1"] == round(4.2 / 14.0, 3)
+    assert by_method["ddtree"]["vs_chain_v1_plain"] == round(4.2 / 20.0, 3)
+    assert by_method["dflash-v1"]["vs_chain_v1_plain"] is None  # only ddtree rows compare with the V1 chains
     assert by_method["ddtree"]["steps"] == 90 and by_method["ddtree"]["verify_graph_replays"] == 30
     assert by_method["dflash-v1"]["verify_graph_replays"] is None
     written = json.loads(args.out.read_text())
