@@ -30,8 +30,8 @@ jobs_of() {
     step-a|step-b)
       tag=${1#step-}; budgets="8 16"; [ "$1" = step-b ] && budgets="32 63"
       echo "0 step_qwen3_$tag bench/step_time.py --target qwen3-4b --budgets $budgets --out $r/step_qwen3_$tag.json"
-      echo "1 step_kimi_$tag bench/step_time.py --target kimi-mla --configs none dflash dflash-v1 ddtree" \
-           "--budgets $budgets --paired --out $r/step_kimi_$tag.json" ;;
+      echo "1 step_kimi_$tag bench/step_time.py --target kimi-mla --configs none dflash dflash-v1" \
+           "dflash-v1-plain ddtree --budgets $budgets --paired --out $r/step_kimi_$tag.json" ;;
     acceptance)
       echo "0 acc_gqa bench/acceptance.py --pairs gqa --out $r/acc_gqa.json"
       echo "1 acc_mla bench/acceptance.py --pairs mla --out $r/acc_mla.json" ;;
