@@ -5,7 +5,8 @@
 ``--baselines`` (needs vLLM 0.26 on the GPU machine) also times, over the same rotating caches and in the same run,
 vLLM's Triton MLA decode with the tree flattened to one row per node (row i sees L - N + i + 1 keys, as vLLM runs
 verify) and FlashMLA with causal q_len = N (same work minus the tree mask), called as in
-../shared/device/bench_mla_anchor.py. Block size 64 for those (FlashMLA requires it).
+../shared/device/bench_mla_anchor.py. Block size 64 for those (FlashMLA requires it). ``--shapes memory-bound``
+times plain decode and short trees at few heads instead, where the share of copy bandwidth is what counts.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 SHAPES = [(1, 32768, 64, 16), (1, 32768, 64, 64), (1, 131072, 64, 16), (1, 32768, 128, 16), (8, 8192, 64, 16),
           (32, 4096, 16, 16)]
+# Memory-bound shapes (B, L, H, N): ~1.89 * N * H FLOP per KV byte, far below the H200's ~206, so the floor is the
+# KV read and the copy-bandwidth share is the figure of merit (plain decode and short trees at high TP).
+MEMORY_BOUND_SHAPES = [(1, 131072, 8, 1), (1, 131072, 16, 2), (16, 16384, 8, 1), (64, 4096, 16, 1)]
+SHAPE_SETS = {"issue": SHAPES, "memory-bound": MEMORY_BOUND_SHAPES, "all": SHAPES + MEMORY_BOUND_SHAPES}
 
 
 def random_tree_bits(n: int, rng: random.Random) -> list[int]:
@@ -201,6 +206,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--variants", default="auto,portable",
                     help="comma list: auto (resident-V where smem allows, e.g. sm_90) and/or portable (sm_120 config)")
+    ap.add_argument("--shapes", choices=sorted(SHAPE_SETS), default="issue",
+                    help="issue: the compute-bound shapes of the README table; memory-bound: plain decode and short "
+                         "trees at few heads, judged by their share of copy bandwidth")
     ap.add_argument("--fp8", action="store_true")
     ap.add_argument("--baselines", action="store_true", help="also time vLLM Triton MLA and FlashMLA (needs vLLM)")
     ap.add_argument("--csrc", default="", help="build the kernel from this source tree instead (A/B timing of a "
@@ -211,11 +219,12 @@ def main() -> None:
     bw = copy_bandwidth_gbs()
     rows = []
     print(f"{torch.cuda.get_device_name()}  copy bandwidth {bw:.0f} GB/s")
-    shape_baselines: dict = {shape: {} for shape in SHAPES}
+    shapes = SHAPE_SETS[args.shapes]
+    shape_baselines: dict = {shape: {} for shape in shapes}
     print(f"{'variant':>8} {'B':>3} {'L':>7} {'H':>4} {'N':>3} {'us':>9} {'TFLOP/s':>8} {'KV GB/s':>8} {'%copyBW':>7}")
     for var in args.variants.split(","):
         os.environ["DDTREE_MLA_VARIANT"] = var
-        for B, L, H, N in SHAPES:
+        for B, L, H, N in shapes:
             r = time_shape(B, L, H, N, args.page, args.fp8, args.rotate, args.reps,
                            shape_baselines[(B, L, H, N)] if args.baselines else None)
             r["pct_copy_bw"] = round(100 * r["kv_gbs"] / bw, 1)
@@ -230,7 +239,7 @@ def main() -> None:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), copy_gbs=round(bw, 1), rotate=args.rotate,
-                           method="CUDA-graph replay, median over reps, per call",
+                           shapes=args.shapes, method="CUDA-graph replay, median over reps, per call",
                            csrc=os.environ.get("VLLM_DDTREE_CSRC", "repository"), rows=rows), f, indent=1)
 
 
