@@ -11,7 +11,9 @@
 // The portable ring is bound by the bytes it keeps in flight (measured on the H200: those tiles made it 9-14 %
 // slower), so it keeps 4 row groups x 2 halves: QK over all k-steps of a key half, PV over a 32-dim half.
 // Either way O is 128 fp32 registers per thread and P passes through shared memory (on resident tiles also the
-// per-row rescale, whose softmax rows belong to other warps).
+// per-row rescale, whose softmax rows belong to other warps). On portable tiles a warp whose 16 rows hold no query
+// (tiles of <= 48 rows: plain decode and short trees at few heads) skips its mma, so such tiles cost the loads
+// more than the 64-row product.
 // Split-KV: the device scheduler (mla_tree_verify_sched.cu) hands each part a list of pieces (request, tile range);
 // a request cut into several pieces writes normalized fp32 partials + base-2 lse, merged by the combine kernel.
 #include <cuda_bf16.h>
@@ -21,6 +23,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 #include "mla_tree_verify.cuh"
 
@@ -145,12 +148,14 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
 #endif
   extern __shared__ __align__(128) uint8_t smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int rh = warp & 1;                                    // split QK: row half
+  // Resident tiles: row half = warp >> 2, so rows 0-31 belong to warps 0-3, one per SM sub-partition (warp % 4);
+  // with this assignment ptxas allocates the resident kernel without spills (20 / 56 bytes with row half = warp & 1).
+  const int rh = VRES ? warp >> 2 : 0;                        // split QK and PV: row half
   const int pv_row0 = VRES ? rh * 32 : (warp >> 1) * 16;      // PV: first row of this warp's O block
-  const int pv_d0 = (VRES ? warp >> 1 : warp & 1) * 8 * C::kPVNJ;  // PV: first dim of its slice of every chunk
+  const int pv_d0 = (VRES ? warp & 3 : warp & 1) * 8 * C::kPVNJ;  // PV: first dim of its slice of every chunk
   const int kq = VRES ? (warp >> 1) & 1 : warp & 1;         // QK: key half
-  const int dh = VRES ? warp >> 2 : 0;                       // QK: k-step half (split only)
-  const int qk_row0 = VRES ? rh * 32 : (warp >> 1) * 16;  // QK: first row of this warp's tile
+  const int dh = VRES ? warp & 1 : 0;                        // QK: k-step half (split only)
+  const int qk_row0 = VRES ? rh * 32 : (warp >> 1) * 16;  // QK: first row of this warp's tile (= pv_row0)
   const int g = lane >> 2, q4 = lane & 3;
   const int own0 = qk_row0 + dh * 16 + g, own1 = own0 + 8;  // the two rows whose softmax this thread keeps
   const int rt = blockIdx.x, part = blockIdx.y;
@@ -173,6 +178,10 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
     const int n = p.qsl[b + 1] - q0;
     const int rows = n * p.H;
     if (rt * kBM >= rows) continue;  // uniform across the CTA
+    // Portable tiles: whether this warp's QK / PV rows hold any query (warp-uniform; read from lane 0 so the compiler
+    // knows it). A warp without one still takes part in every load and barrier, but skips its mma: S stays 0, so its
+    // softmax stays finite, and its rows are never stored.
+    const bool row_work = VRES || __shfl_sync(0xffffffffu, rt * kBM + qk_row0 < rows, 0);
     const int L = p.seq_lens[b];
     const int t0 = sv.piece_t0[pc], t1 = sv.piece_t1[pc];
     const int slot = sv.piece_slot[pc];
@@ -347,29 +356,41 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
       };
 
       uint32_t buf = 0;
+      // Portable tiles: two copies of each step loop, with the mma and, for a warp without queries, only the ring's
+      // bookkeeping (loads, barriers), so the mma path carries no per-step branch. Resident tiles compute every row:
+      // at 255 registers any such branch made ptxas spill (32-124 bytes, sm_90 build).
+      auto qk_chunks = [&](auto with_mma) {
 #pragma unroll(VRES ? 1 : 9)  // the ring's step bookkeeping folds to constants when unrolled
-      for (int c = 0; c < 9; ++c) {
-        buf = step_buf(c);
-        // ---- S[16 kQKM x BN/2] += Q[rows, this warp's k-steps of chunk c] K_c^T
+        for (int c = 0; c < 9; ++c) {
+          buf = step_buf(c);
+          if constexpr (decltype(with_mma)::value) {
+            // ---- S[16 kQKM x BN/2] += Q[rows, this warp's k-steps of chunk c] K_c^T
 #pragma unroll
-        for (int kk = 0; kk < C::kQKKS; ++kk) {
-          const int ks = C::kQKKS * dh + kk;
-          uint32_t a[C::kQKM][4];
+            for (int kk = 0; kk < C::kQKKS; ++kk) {
+              const int ks = C::kQKKS * dh + kk;
+              uint32_t a[C::kQKM][4];
 #pragma unroll
-          for (int mi = 0; mi < C::kQKM; ++mi)
-            ldsm_x4(a[mi], sQ + c * (kBM * 128) + swz(qk_row0 + mi * 16 + (lane & 15), ks * 2 + (lane >> 4)));
+              for (int mi = 0; mi < C::kQKM; ++mi)
+                ldsm_x4(a[mi], sQ + c * (kBM * 128) + swz(qk_row0 + mi * 16 + (lane & 15), ks * 2 + (lane >> 4)));
 #pragma unroll
-          for (int jj = 0; jj < C::kQKNT / 2; ++jj) {
-            const int key = kq * (BN / 2) + jj * 16 + (lane & 7) + ((lane >> 4) << 3);
-            uint32_t bq[4];
-            ldsm_x4(bq, buf + swz(key, ks * 2 + ((lane >> 3) & 1)));
+              for (int jj = 0; jj < C::kQKNT / 2; ++jj) {
+                const int key = kq * (BN / 2) + jj * 16 + (lane & 7) + ((lane >> 4) << 3);
+                uint32_t bq[4];
+                ldsm_x4(bq, buf + swz(key, ks * 2 + ((lane >> 3) & 1)));
 #pragma unroll
-            for (int mi = 0; mi < C::kQKM; ++mi) {
-              mma_bf16(s[mi][2 * jj], a[mi], bq[0], bq[1]);
-              mma_bf16(s[mi][2 * jj + 1], a[mi], bq[2], bq[3]);
+                for (int mi = 0; mi < C::kQKM; ++mi) {
+                  mma_bf16(s[mi][2 * jj], a[mi], bq[0], bq[1]);
+                  mma_bf16(s[mi][2 * jj + 1], a[mi], bq[2], bq[3]);
+                }
+              }
             }
           }
         }
+      };
+      if (row_work) {
+        qk_chunks(std::true_type{});
+      } else {
+        qk_chunks(std::false_type{});
       }
       {
         float sk[C::kQKNT][4];  // full S of rows own0, own1 over key half kq
@@ -469,46 +490,55 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
         }
       }
       if constexpr (VRES) __syncthreads();  // sP and alpha written by the softmax (the ring's steps have barriers)
-      uint32_t pa[C::kPVM][C::kPVKS][4];
+      auto pv_chunks = [&](auto with_mma) {
+        uint32_t pa[C::kPVM][C::kPVKS][4];
 #pragma unroll
-      for (int vc = 0; vc < 8; ++vc) {
-        buf = step_buf(9 + vc);
-        // ---- O[rows pv_row0.., (chunk vc, dims pv_d0..)] += P[rows, BN] V_vc
-        if (vc == 0) {  // sP and srow are complete (a barrier separates them from this step)
+        for (int vc = 0; vc < 8; ++vc) {
+          buf = step_buf(9 + vc);
+          if constexpr (decltype(with_mma)::value) {
+            // ---- O[rows pv_row0.., (chunk vc, dims pv_d0..)] += P[rows, BN] V_vc
+            if (vc == 0) {  // sP and srow are complete (a barrier separates them from this step)
 #pragma unroll
-          for (int mi = 0; mi < C::kPVM; ++mi) {
-            const int pr = pv_row0 + mi * 16 + (lane & 15);
+              for (int mi = 0; mi < C::kPVM; ++mi) {
+                const int pr = pv_row0 + mi * 16 + (lane & 15);
 #pragma unroll
-            for (int ks = 0; ks < C::kPVKS; ++ks)
-              ldsm_x4(pa[mi][ks], sPu + pr * (C::kPStride * 2) + ((ks * 2 + (lane >> 4)) << 4));
-            if constexpr (VRES) {  // resident: the softmax rows are another warp's; alpha comes through srow
-              const float a0 = srow[pv_row0 + mi * 16 + g], a1 = srow[pv_row0 + mi * 16 + g + 8];
+                for (int ks = 0; ks < C::kPVKS; ++ks)
+                  ldsm_x4(pa[mi][ks], sPu + pr * (C::kPStride * 2) + ((ks * 2 + (lane >> 4)) << 4));
+                if constexpr (VRES) {  // resident: the softmax rows are another warp's; alpha comes through srow
+                  const float a0 = srow[pv_row0 + mi * 16 + g], a1 = srow[pv_row0 + mi * 16 + g + 8];
 #pragma unroll
-              for (int v = 0; v < 8; ++v)
+                  for (int v = 0; v < 8; ++v)
 #pragma unroll
-                for (int nj = 0; nj < C::kPVNJ; ++nj) {
-                  o[v][mi][nj][0] *= a0;
-                  o[v][mi][nj][1] *= a0;
-                  o[v][mi][nj][2] *= a1;
-                  o[v][mi][nj][3] *= a1;
+                    for (int nj = 0; nj < C::kPVNJ; ++nj) {
+                      o[v][mi][nj][0] *= a0;
+                      o[v][mi][nj][1] *= a0;
+                      o[v][mi][nj][2] *= a1;
+                      o[v][mi][nj][3] *= a1;
+                    }
                 }
+              }
+            }
+#pragma unroll
+            for (int ks = 0; ks < C::kPVKS; ++ks) {
+              const int key = ks * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+#pragma unroll
+              for (int jj = 0; jj < C::kPVNJ / 2; ++jj) {
+                uint32_t bv[4];
+                ldsm_x4_t(bv, buf + swz(key, pv_d0 / 8 + jj * 2 + (lane >> 4)));
+#pragma unroll
+                for (int mi = 0; mi < C::kPVM; ++mi) {
+                  mma_bf16(o[vc][mi][2 * jj], pa[mi][ks], bv[0], bv[1]);
+                  mma_bf16(o[vc][mi][2 * jj + 1], pa[mi][ks], bv[2], bv[3]);
+                }
+              }
             }
           }
         }
-#pragma unroll
-        for (int ks = 0; ks < C::kPVKS; ++ks) {
-          const int key = ks * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
-#pragma unroll
-          for (int jj = 0; jj < C::kPVNJ / 2; ++jj) {
-            uint32_t bv[4];
-            ldsm_x4_t(bv, buf + swz(key, pv_d0 / 8 + jj * 2 + (lane >> 4)));
-#pragma unroll
-            for (int mi = 0; mi < C::kPVM; ++mi) {
-              mma_bf16(o[vc][mi][2 * jj], pa[mi][ks], bv[0], bv[1]);
-              mma_bf16(o[vc][mi][2 * jj + 1], pa[mi][ks], bv[2], bv[3]);
-            }
-          }
-        }
+      };
+      if (row_work) {
+        pv_chunks(std::true_type{});
+      } else {
+        pv_chunks(std::false_type{});
       }
     }
 
