@@ -129,7 +129,7 @@ def run_one(args: argparse.Namespace) -> None:
             walls.append(time.perf_counter() - start)
         wall = statistics.median(walls)
         after = _counters(llm)
-        _, verify_replays, draft_replays = run_on_worker(llm, read_probes, inline=False)
+        probes = run_on_worker(llm, read_probes, inline=False)
         drafts = after.get("vllm:spec_decode_num_drafts", 0) - before.get("vllm:spec_decode_num_drafts", 0)
         accepted = after.get("vllm:spec_decode_num_accepted_tokens", 0) - before.get(
             "vllm:spec_decode_num_accepted_tokens", 0
@@ -138,7 +138,7 @@ def run_one(args: argparse.Namespace) -> None:
                "device": torch.cuda.get_device_name() if gpu else "cpu", "dtype": "bfloat16" if gpu else "float32",
                "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else 1.0,
                "tok_per_s": round(len(tokens) * args.max_tokens / wall, 1), "wall_s": [round(w, 3) for w in walls],
-               "verify_graph_replays": verify_replays, "draft_graph_replays": draft_replays,
+               "verify_graph_replays": probes.verify, "draft_graph_replays": probes.draft,
                "tokens": tokens, "gaps": gaps}  # fmt: skip
         print("RESULT " + json.dumps(row), flush=True)
     shut_down(llm)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 
 def engine_process_env(inline: bool) -> dict[str, str]:
@@ -43,17 +43,42 @@ def shut_down(llm: Any) -> None:
 
 
 class StepClock:
-    """Records when the model runner starts each step (wraps the instance's ``execute_model``)."""
+    """Per step of the model runner: when it starts (``execute_model`` is entered) and how long the worker spends
+    inside ``execute_model`` and ``sample_tokens`` (host work, plus any wait on the GPU those calls make): with
+    async scheduling a host-bound step lasts about that long, so comparing it between configurations shows whose
+    host work sets the pace. Wraps the two methods of this runner instance only."""
 
     def __init__(self, runner: Any) -> None:
         self.starts: list[float] = []
-        run = runner.execute_model
+        self.busy: list[float] = []
+        run, sample = runner.execute_model, getattr(runner, "sample_tokens", None)
 
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            self.starts.append(time.perf_counter())
-            return run(*args, **kwargs)
+        def timed_run(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            self.starts.append(start)
+            try:
+                return run(*args, **kwargs)
+            finally:
+                self.busy.append(time.perf_counter() - start)
 
-        runner.execute_model = timed
+        def timed_sample(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return sample(*args, **kwargs)
+            finally:
+                if self.busy:
+                    self.busy[-1] += time.perf_counter() - start
+
+        runner.execute_model = timed_run
+        if sample is not None:
+            runner.sample_tokens = timed_sample
+
+
+class ProbeReading(NamedTuple):
+    starts: list[float]  # step start times (s)
+    busy: list[float]  # per step, seconds inside execute_model + sample_tokens
+    verify: int  # FULL-graph replays of the verify step
+    draft: int  # ... and of the drafter step
 
 
 def install_probes(worker: Any) -> None:
@@ -66,11 +91,12 @@ def install_probes(worker: Any) -> None:
                             ReplayCounter(getattr(speculator, "query_cudagraph_manager", None)))  # fmt: skip
 
 
-def read_probes(worker: Any) -> tuple[list[float], int, int]:
-    """Step start times and verify / drafter graph replays since the last read, which resets them."""
+def read_probes(worker: Any) -> ProbeReading:
+    """Steps and graph replays since the last read, which resets them."""
     clock, verify, draft = worker.ddtree_probes
-    read = (list(clock.starts), verify.count, draft.count)
+    read = ProbeReading(list(clock.starts), list(clock.busy), verify.count, draft.count)
     clock.starts.clear()
+    clock.busy.clear()
     verify.count = draft.count = 0
     return read
 

@@ -148,13 +148,17 @@ class EngineBench:
         self.llm.generate(self.prompts, self.params, use_tqdm=False)  # prefill into the prefix cache, warm the graphs
         self.on_worker(read_probes)
         self.samples: list[float] = []
+        self.busy: list[float] = []
         self.counts = [0, 0, 0]  # steps, verify replays, drafter replays
 
     def repeat(self) -> None:
         self.llm.generate(self.prompts, self.params, use_tqdm=False)
-        starts, verify, draft = self.on_worker(read_probes)
-        self.samples.append(statistics.median([b - a for a, b in pairwise(starts)][3:]))  # skip prefill, ramp-up
-        self.counts = [self.counts[0] + len(starts), self.counts[1] + verify, self.counts[2] + draft]
+        probes = self.on_worker(read_probes)
+        steady = slice(3, None)  # skip the prefill step and the ramp-up
+        self.samples.append(statistics.median([b - a for a, b in pairwise(probes.starts)][steady]))
+        self.busy.append(statistics.median(probes.busy[steady]))
+        self.counts = [self.counts[0] + len(probes.starts), self.counts[1] + probes.verify,
+                       self.counts[2] + probes.draft]  # fmt: skip
 
     def profile(self, directory: str) -> None:
         args = self.args
@@ -169,7 +173,8 @@ class EngineBench:
         return {"method": self.args.method, "budget": self.args.budget if self.spec else 0,
                 "width": 1 + self.args.budget if self.spec else 1, "context": self.context, "batch": self.batch,
                 "step_ms": round(1e3 * statistics.median(self.samples), 4),
-                "samples_ms": [round(1e3 * s, 4) for s in self.samples], "steps": self.counts[0],
+                "samples_ms": [round(1e3 * s, 4) for s in self.samples],
+                "worker_ms": round(1e3 * statistics.median(self.busy), 4), "steps": self.counts[0],
                 "verify_graph_replays": self.counts[1] if self.v2 else None,
                 "draft_graph_replays": self.counts[2] if self.v2 and self.spec else None}  # fmt: skip
 
@@ -307,9 +312,9 @@ def main() -> None:
 
 
 def combine_rounds(rows: list[dict]) -> list[dict]:
-    """One row per (config, budget, context, batch): ``step_ms`` is the median over rounds (one process each, so
-    host-bound steps that shift between processes are outvoted), every round's value in ``round_ms``; steps and
-    graph replays are summed over rounds."""
+    """One row per (config, budget, context, batch): ``step_ms`` (and ``worker_ms``, the worker's time inside each
+    step) is the median over rounds (one process each, so host-bound steps that shift between processes are
+    outvoted), every round's step in ``round_ms``; steps and graph replays are summed over rounds."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["method"], r["budget"], r["context"], r["batch"]), []).append(r)
@@ -319,6 +324,8 @@ def combine_rounds(rows: list[dict]) -> list[dict]:
         row["round_ms"] = [r["step_ms"] for r in group]
         row["step_ms"] = round(statistics.median(row["round_ms"]), 4)
         row["samples_ms"] = [s for r in group for s in r["samples_ms"]]
+        if all("worker_ms" in r for r in group):
+            row["worker_ms"] = round(statistics.median(r["worker_ms"] for r in group), 4)
         for key in ("steps", "verify_graph_replays", "draft_graph_replays"):
             if row.get(key) is not None:
                 row[key] = sum(r[key] for r in group)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -43,7 +44,8 @@ def test_rounds_combine_to_their_median_and_ratios_use_it(tmp_path: Path) -> Non
 
 @pytest.mark.e2e
 def test_probes_reach_the_engine_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The benches' step clock works where vLLM runs the model (a separate engine process, as when serving)."""
+    """The benches' step clock works where vLLM runs the model (a separate engine process, as when serving), and
+    times the worker's part of each step."""
     from engine_probes import engine_process_env, install_probes, read_probes, run_on_worker, shut_down
     from vllm import LLM, SamplingParams
 
@@ -56,10 +58,13 @@ def test_probes_reach_the_engine_process(tmp_path: Path, monkeypatch: pytest.Mon
               max_num_batched_tokens=256, seed=0)  # fmt: skip
     run_on_worker(llm, install_probes, inline=False)
     llm.generate([{"prompt_token_ids": list(range(2, 30))}], SamplingParams(max_tokens=12, ignore_eos=True))
-    starts, verify, draft = run_on_worker(llm, read_probes, inline=False)
-    assert len(starts) >= 12 and starts == sorted(starts)
-    assert verify == draft == 0  # a V1 runner has no graph manager to count
-    assert run_on_worker(llm, read_probes, inline=False)[0] == []  # a read resets the clock
+    probes = run_on_worker(llm, read_probes, inline=False)
+    assert len(probes.starts) >= 12 and probes.starts == sorted(probes.starts)
+    # every step's time inside execute_model + sample_tokens, shorter than the step interval it falls in
+    assert len(probes.busy) == len(probes.starts) and all(b > 0 for b in probes.busy)
+    assert all(b <= end - start for b, (start, end) in zip(probes.busy, pairwise(probes.starts), strict=False))
+    assert probes.verify == probes.draft == 0  # a V1 runner has no graph manager to count
+    assert run_on_worker(llm, read_probes, inline=False).starts == []  # a read resets the clock
     shut_down(llm)
 
 
