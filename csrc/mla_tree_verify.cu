@@ -137,7 +137,8 @@ __device__ __forceinline__ void fp8x16_to_bf16(const uint4 in, uint4 (&outv)[2])
   outv[1] = make_uint4(w[4], w[5], w[6], w[7]);
 }
 
-template <int BN, int STAGES, bool FP8, bool VRES>
+// SHORT (resident tiles only): a launch of <= 32 rows per request (max_q * H), where warps 4-7 never hold a query.
+template <int BN, int STAGES, bool FP8, bool VRES, bool SHORT>
 __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams p) {
   using C = KCfg<BN, STAGES, FP8, VRES>;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
@@ -178,10 +179,10 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
     const int n = p.qsl[b + 1] - q0;
     const int rows = n * p.H;
     if (rt * kBM >= rows) continue;  // uniform across the CTA
-    // Portable tiles: whether this warp's QK / PV rows hold any query (warp-uniform; read from lane 0 so the compiler
-    // knows it). A warp without one still takes part in every load and barrier, but skips its mma: S stays 0, so its
-    // softmax stays finite, and its rows are never stored.
-    const bool row_work = VRES || __shfl_sync(0xffffffffu, rt * kBM + qk_row0 < rows, 0);
+    // Whether this warp's QK / PV rows hold any query (warp-uniform; read from lane 0 so the compiler knows it): a
+    // warp without one still takes part in every load and barrier, but skips its mma, so S stays 0, its softmax
+    // finite, and its rows are never stored. Tested on portable tiles and in SHORT resident launches.
+    const bool row_work = (VRES && !SHORT) || __shfl_sync(0xffffffffu, rt * kBM + qk_row0 < rows, 0);
     const int L = p.seq_lens[b];
     const int t0 = sv.piece_t0[pc], t1 = sv.piece_t1[pc];
     const int slot = sv.piece_slot[pc];
@@ -357,13 +358,17 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
 
       uint32_t buf = 0;
       // Portable tiles: two copies of each step loop, with the mma and, for a warp without queries, only the ring's
-      // bookkeeping (loads, barriers), so the mma path carries no per-step branch. Resident tiles compute every row:
-      // at 255 registers any such branch made ptxas spill (32-124 bytes, sm_90 build).
+      // bookkeeping (loads, barriers), so the mma path carries no per-step branch. Resident tiles (pure steps, all
+      // 255 registers in use) compute every row, except in SHORT launches, where one loop tests each step: any such
+      // branch makes ptxas spill (up to 124 bytes), so the full-size launches keep the branch-free loop.
       auto qk_chunks = [&](auto with_mma) {
 #pragma unroll(VRES ? 1 : 9)  // the ring's step bookkeeping folds to constants when unrolled
         for (int c = 0; c < 9; ++c) {
           buf = step_buf(c);
           if constexpr (decltype(with_mma)::value) {
+            if constexpr (SHORT) {
+              if (!row_work) continue;
+            }
             // ---- S[16 kQKM x BN/2] += Q[rows, this warp's k-steps of chunk c] K_c^T
 #pragma unroll
             for (int kk = 0; kk < C::kQKKS; ++kk) {
@@ -387,7 +392,7 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
           }
         }
       };
-      if (row_work) {
+      if (VRES || row_work) {
         qk_chunks(std::true_type{});
       } else {
         qk_chunks(std::false_type{});
@@ -496,6 +501,9 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
         for (int vc = 0; vc < 8; ++vc) {
           buf = step_buf(9 + vc);
           if constexpr (decltype(with_mma)::value) {
+            if constexpr (SHORT) {
+              if (!row_work) continue;
+            }
             // ---- O[rows pv_row0.., (chunk vc, dims pv_d0..)] += P[rows, BN] V_vc
             if (vc == 0) {  // sP and srow are complete (a barrier separates them from this step)
 #pragma unroll
@@ -535,7 +543,7 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
           }
         }
       };
-      if (row_work) {
+      if (VRES || row_work) {
         pv_chunks(std::true_type{});
       } else {
         pv_chunks(std::false_type{});
@@ -675,10 +683,10 @@ __global__ void __launch_bounds__(256) mla_combine_kernel(const MlaParams p) {
   if (lane == 0) p.lse[tok * p.lse_s0 + head * p.lse_s1] = sum > 0.f ? (mu + log2f(sum)) * kLn2 : -INFINITY;
 }
 
-template <int BN, int STAGES, bool FP8, bool VRES>
+template <int BN, int STAGES, bool FP8, bool VRES, bool SHORT = false>
 void launch_main(const MlaParams& p, cudaStream_t stream) {
   using C = KCfg<BN, STAGES, FP8, VRES>;
-  auto kern = mla_tree_verify_kernel<BN, STAGES, FP8, VRES>;
+  auto kern = mla_tree_verify_kernel<BN, STAGES, FP8, VRES, SHORT>;
   static bool attr_set = false;  // once per process; not a stream op, harmless during graph capture
   if (!attr_set) {
     cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
@@ -705,8 +713,14 @@ int mla_variant_block_n(int variant) { return variant == kVariantResidentV ? 64 
 void launch_mla_tree_verify(const MlaParams& p, cudaStream_t stream) {
   launch_mla_sched(p, stream);
   if (p.variant == kVariantResidentV) {
-    if (p.kv_fp8) launch_main<64, 2, true, true>(p, stream);
-    else launch_main<64, 2, false, true>(p, stream);
+    const bool short_rows = p.max_q * p.H <= 32;  // launch geometry, fixed under a CUDA graph
+    if (p.kv_fp8) {
+      if (short_rows) launch_main<64, 2, true, true, true>(p, stream);
+      else launch_main<64, 2, true, true>(p, stream);
+    } else {
+      if (short_rows) launch_main<64, 2, false, true, true>(p, stream);
+      else launch_main<64, 2, false, true>(p, stream);
+    }
   } else {
     if (p.kv_fp8) launch_main<32, 5, true, false>(p, stream);
     else launch_main<32, 5, false, false>(p, stream);

@@ -40,10 +40,11 @@ def _cuobjdump() -> str | None:
 
 
 NVCC = _nvcc()
-# The resident-V kernel (sm_90 only: ~226 KB of shared memory) runs with all 255 registers and its 32-row warp tiles;
-# ptxas spills a few words there (20 B bf16, 56 B fp8 at the time of writing, measured faster on the H200 than the
-# spill-free 16-row tiles). A bound keeps that from growing unnoticed; every other kernel must not spill at all.
-RESIDENT_SPILL_LIMIT = 64
+# Every kernel must build without spilling registers except the resident-V kernel of short launches (sm_90 only:
+# ~226 KB of shared memory, all 255 registers; <= 32 rows a request, where warps without a query skip their mma): its
+# per-step test makes ptxas spill a few words (68 B with an fp8 cache at the time of writing). A bound keeps that from
+# growing unnoticed.
+SHORT_RESIDENT_SPILL_LIMIT = 128
 
 
 def _spills(stderr: str) -> dict[str, int]:
@@ -52,9 +53,9 @@ def _spills(stderr: str) -> dict[str, int]:
     return {fn: int(b) for fn, b in found}
 
 
-def _is_resident_v(mangled: str) -> bool:
-    """mla_tree_verify_kernel<BN, STAGES, FP8, VRES = true>: the last template argument is ``Lb1E``."""
-    return "mla_tree_verify_kernel" in mangled and re.search(r"ILi\d+ELi\d+ELb[01]ELb1EE", mangled) is not None
+def _is_short_resident_v(mangled: str) -> bool:
+    """mla_tree_verify_kernel<BN, STAGES, FP8, VRES = true, SHORT = true>: the mangled name ends ``Lb1ELb1EE``."""
+    return "mla_tree_verify_kernel" in mangled and re.search(r"ILi\d+ELi\d+ELb[01]ELb1ELb1EE", mangled) is not None
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found (set CUDA_HOME); the CUDA build check needs the toolkit")
@@ -67,10 +68,10 @@ def test_cu_builds_for_80_90_120(src: str, tmp_path: Path) -> None:
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
     spills = _spills(res.stderr)  # -warn-spills reports every spilling function
-    portable = {fn: b for fn, b in spills.items() if not _is_resident_v(fn)}
-    assert not portable, f"spills in kernels that sm_80 / sm_120 run: {portable}"
-    resident = {fn: b for fn, b in spills.items() if _is_resident_v(fn)}
-    assert all(b <= RESIDENT_SPILL_LIMIT for b in resident.values()), resident
+    others = {fn: b for fn, b in spills.items() if not _is_short_resident_v(fn)}
+    assert not others, f"spills in kernels that must not spill: {others}"
+    short = {fn: b for fn, b in spills.items() if _is_short_resident_v(fn)}
+    assert all(b <= SHORT_RESIDENT_SPILL_LIMIT for b in short.values()), short
     dump = _cuobjdump()
     if dump is None:
         pytest.skip("cuobjdump not found; compiled fine but cannot list the cubins")
