@@ -11,9 +11,9 @@
 // The portable ring is bound by the bytes it keeps in flight (measured on the H200: those tiles made it 9-14 %
 // slower), so it keeps 4 row groups x 2 halves: QK over all k-steps of a key half, PV over a 32-dim half.
 // Either way O is 128 fp32 registers per thread and P passes through shared memory (on resident tiles also the
-// per-row rescale, whose softmax rows belong to other warps). On portable tiles a warp whose 16 rows hold no query
-// (tiles of <= 48 rows: plain decode and short trees at few heads) skips its mma, so such tiles cost the loads
-// more than the 64-row product.
+// per-row rescale, whose softmax rows belong to other warps). A warp whose rows hold no query skips its mma on
+// portable tiles (16-row groups: tiles of <= 48 rows) and in resident launches of <= 32 rows a request (SHORT):
+// plain decode and short trees at few heads then cost the loads more than the 64-row product.
 // Split-KV: the device scheduler (mla_tree_verify_sched.cu) hands each part a list of pieces (request, tile range);
 // a request cut into several pieces writes normalized fp32 partials + base-2 lse, merged by the combine kernel.
 #include <cuda_bf16.h>
