@@ -11,9 +11,10 @@
 // The portable ring is bound by the bytes it keeps in flight (measured on the H200: those tiles made it 9-14 %
 // slower), so it keeps 4 row groups x 2 halves: QK over all k-steps of a key half, PV over a 32-dim half.
 // Either way O is 128 fp32 registers per thread and P passes through shared memory (on resident tiles also the
-// per-row rescale, whose softmax rows belong to other warps). A warp whose rows hold no query skips its mma on
-// portable tiles (16-row groups: tiles of <= 48 rows) and in resident launches of <= 32 rows a request (SHORT):
-// plain decode and short trees at few heads then cost the loads more than the 64-row product.
+// per-row rescale, whose softmax rows belong to other warps). A warp skips the mma of rows that hold no query on
+// portable tiles (its 16-row group: tiles of <= 48 rows) and in resident launches of <= 32 rows a request (SHORT:
+// warps 4-7 entirely, and the second 16-row block at <= 16 rows): plain decode and short trees at few heads then
+// cost the loads more than the 64-row product.
 // Split-KV: the device scheduler (mla_tree_verify_sched.cu) hands each part a list of pieces (request, tile range);
 // a request cut into several pieces writes normalized fp32 partials + base-2 lse, merged by the combine kernel.
 #include <cuda_bf16.h>
@@ -183,6 +184,8 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
     // warp without one still takes part in every load and barrier, but skips its mma, so S stays 0, its softmax
     // finite, and its rows are never stored. Tested on portable tiles and in SHORT resident launches.
     const bool row_work = (VRES && !SHORT) || __shfl_sync(0xffffffffu, rt * kBM + qk_row0 < rows, 0);
+    // SHORT: whether the second 16-row block of this warp's rows holds a query (not with <= 16 rows a request).
+    const bool block1_work = !SHORT || __shfl_sync(0xffffffffu, rt * kBM + qk_row0 + 16 < rows, 0);
     const int L = p.seq_lens[b];
     const int t0 = sv.piece_t0[pc], t1 = sv.piece_t1[pc];
     const int slot = sv.piece_slot[pc];
@@ -359,8 +362,8 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
       uint32_t buf = 0;
       // Portable tiles: two copies of each step loop, with the mma and, for a warp without queries, only the ring's
       // bookkeeping (loads, barriers), so the mma path carries no per-step branch. Resident tiles (pure steps, all
-      // 255 registers in use) compute every row, except in SHORT launches, where one loop tests each step: any such
-      // branch makes ptxas spill (up to 124 bytes), so the full-size launches keep the branch-free loop.
+      // registers in use) compute every row, except in SHORT launches, where one loop tests each step and each
+      // 16-row block (ptxas allocates those spill-free; the same tests in full-size launches made it spill).
       auto qk_chunks = [&](auto with_mma) {
 #pragma unroll(VRES ? 1 : 9)  // the ring's step bookkeeping folds to constants when unrolled
         for (int c = 0; c < 9; ++c) {
@@ -376,7 +379,8 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
               uint32_t a[C::kQKM][4];
 #pragma unroll
               for (int mi = 0; mi < C::kQKM; ++mi)
-                ldsm_x4(a[mi], sQ + c * (kBM * 128) + swz(qk_row0 + mi * 16 + (lane & 15), ks * 2 + (lane >> 4)));
+                if (mi == 0 || block1_work)
+                  ldsm_x4(a[mi], sQ + c * (kBM * 128) + swz(qk_row0 + mi * 16 + (lane & 15), ks * 2 + (lane >> 4)));
 #pragma unroll
               for (int jj = 0; jj < C::kQKNT / 2; ++jj) {
                 const int key = kq * (BN / 2) + jj * 16 + (lane & 7) + ((lane >> 4) << 3);
@@ -384,6 +388,7 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
                 ldsm_x4(bq, buf + swz(key, ks * 2 + ((lane >> 3) & 1)));
 #pragma unroll
                 for (int mi = 0; mi < C::kQKM; ++mi) {
+                  if (mi > 0 && !block1_work) continue;
                   mma_bf16(s[mi][2 * jj], a[mi], bq[0], bq[1]);
                   mma_bf16(s[mi][2 * jj + 1], a[mi], bq[2], bq[3]);
                 }
@@ -535,6 +540,7 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
                 ldsm_x4_t(bv, buf + swz(key, pv_d0 / 8 + jj * 2 + (lane >> 4)));
 #pragma unroll
                 for (int mi = 0; mi < C::kPVM; ++mi) {
+                  if (mi > 0 && !block1_work) continue;
                   mma_bf16(o[vc][mi][2 * jj], pa[mi][ks], bv[0], bv[1]);
                   mma_bf16(o[vc][mi][2 * jj + 1], pa[mi][ks], bv[2], bv[3]);
                 }
