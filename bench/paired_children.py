@@ -8,7 +8,8 @@ waits for its answer), so they never share the GPU while timed.
 
 The child protocol (``bench/step_time.py --serve``): the child prints ``READY`` once its engine is built, then
 answers each command line on its stdin with one line on stdout — ``OK`` or ``RESULT <json>`` — and exits at EOF.
-Other stdout lines are ignored; stderr goes to a file whose tail is raised with the error if the child dies.
+Other stdout lines are ignored; stderr goes to a file (kept when a path is given) whose tail is raised with the
+error if the child dies.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import subprocess
 import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 from typing import IO, NoReturn
 
 
@@ -27,9 +29,10 @@ class ChildDied(RuntimeError):
 class Child:
     """One engine process: send a command, read its answer."""
 
-    def __init__(self, cmd: Sequence[str], label: str) -> None:
+    def __init__(self, cmd: Sequence[str], label: str, log: Path | None = None) -> None:
         self.label = label
-        self._err: IO[str] = tempfile.TemporaryFile(mode="w+")
+        self._log = log
+        self._err: IO[str] = open(log, "w+") if log else tempfile.TemporaryFile(mode="w+")
         self._proc = subprocess.Popen(list(cmd), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err,
                                       text=True, bufsize=1)  # fmt: skip
         self._answer("READY")
@@ -67,7 +70,8 @@ class Child:
     def _died(self, when: str) -> NoReturn:
         self._proc.wait()
         self._err.seek(0)
-        raise ChildDied(f"{self.label} exited (rc {self._proc.returncode}) {when}:\n{self._err.read()[-3000:]}")
+        where = f" (whole log: {self._log})" if self._log else ""
+        raise ChildDied(f"{self.label} exited (rc {self._proc.returncode}) {when}{where}:\n{self._err.read()[-3000:]}")
 
 
 def interleaved_rows(children: Sequence[Child], cells: Sequence[tuple[int, int]], repeats: int) -> list[dict]:

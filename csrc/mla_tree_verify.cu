@@ -11,10 +11,12 @@
 // The portable ring is bound by the bytes it keeps in flight (measured on the H200: those tiles made it 9-14 %
 // slower), so it keeps 4 row groups x 2 halves: QK over all k-steps of a key half, PV over a 32-dim half.
 // Either way O is 128 fp32 registers per thread and P passes through shared memory (on resident tiles also the
-// per-row rescale, whose softmax rows belong to other warps). A warp skips the mma of rows that hold no query on
-// portable tiles (its 16-row group: tiles of <= 48 rows) and in resident launches of <= 32 rows a request (SHORT:
-// warps 4-7 entirely, and the second 16-row block at <= 16 rows): plain decode and short trees at few heads then
-// cost the loads more than the 64-row product.
+// per-row rescale, whose softmax rows belong to other warps). In SHORT launches (few rows a request: plain decode
+// and short trees at few heads, which otherwise pay the 64-row product for a few rows) a warp skips the mma of rows
+// that hold no query: on portable tiles its 16-row group (launches of <= 48 rows a request), on resident tiles
+// warps 4-7 entirely and at <= 16 rows also the second 16-row block (launches of <= 32 rows a request). Other
+// launches compute every row: their tiles are full but for a request's last, and the skip's code cost them 3-4 %
+// (H200, portable) where nothing is skipped.
 // Split-KV: the device scheduler (mla_tree_verify_sched.cu) hands each part a list of pieces (request, tile range);
 // a request cut into several pieces writes normalized fp32 partials + base-2 lse, merged by the combine kernel.
 #include <cuda_bf16.h>
@@ -138,7 +140,7 @@ __device__ __forceinline__ void fp8x16_to_bf16(const uint4 in, uint4 (&outv)[2])
   outv[1] = make_uint4(w[4], w[5], w[6], w[7]);
 }
 
-// SHORT (resident tiles only): a launch of <= 32 rows per request (max_q * H), where warps 4-7 never hold a query.
+// SHORT: a launch of few rows per request (max_q * H <= 48 portable, <= 32 resident): warps without queries skip.
 template <int BN, int STAGES, bool FP8, bool VRES, bool SHORT>
 __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams p) {
   using C = KCfg<BN, STAGES, FP8, VRES>;
@@ -182,10 +184,10 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
     if (rt * kBM >= rows) continue;  // uniform across the CTA
     // Whether this warp's QK / PV rows hold any query (warp-uniform; read from lane 0 so the compiler knows it): a
     // warp without one still takes part in every load and barrier, but skips its mma, so S stays 0, its softmax
-    // finite, and its rows are never stored. Tested on portable tiles and in SHORT resident launches.
-    const bool row_work = (VRES && !SHORT) || __shfl_sync(0xffffffffu, rt * kBM + qk_row0 < rows, 0);
-    // SHORT: whether the second 16-row block of this warp's rows holds a query (not with <= 16 rows a request).
-    const bool block1_work = !SHORT || __shfl_sync(0xffffffffu, rt * kBM + qk_row0 + 16 < rows, 0);
+    // finite, and its rows are never stored. Only in SHORT launches (elsewhere every warp computes).
+    const bool row_work = !SHORT || __shfl_sync(0xffffffffu, rt * kBM + qk_row0 < rows, 0);
+    // SHORT resident: whether the second 16-row block of this warp's rows holds a query (not at <= 16 rows).
+    const bool block1_work = !(SHORT && VRES) || __shfl_sync(0xffffffffu, rt * kBM + qk_row0 + 16 < rows, 0);
     const int L = p.seq_lens[b];
     const int t0 = sv.piece_t0[pc], t1 = sv.piece_t1[pc];
     const int slot = sv.piece_slot[pc];
@@ -360,16 +362,16 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
       };
 
       uint32_t buf = 0;
-      // Portable tiles: two copies of each step loop, with the mma and, for a warp without queries, only the ring's
-      // bookkeeping (loads, barriers), so the mma path carries no per-step branch. Resident tiles (pure steps, all
-      // registers in use) compute every row, except in SHORT launches, where one loop tests each step and each
-      // 16-row block (ptxas allocates those spill-free; the same tests in full-size launches made it spill).
+      // SHORT portable tiles: two copies of each step loop, with the mma and, for a warp without queries, only the
+      // ring's bookkeeping (loads, barriers), so the mma path carries no per-step branch. SHORT resident tiles (pure
+      // steps, all registers in use): one loop that tests each step and each 16-row block (ptxas allocates those
+      // spill-free; the same tests in full-size launches made it spill). Other launches: the mma loop only.
       auto qk_chunks = [&](auto with_mma) {
 #pragma unroll(VRES ? 1 : 9)  // the ring's step bookkeeping folds to constants when unrolled
         for (int c = 0; c < 9; ++c) {
           buf = step_buf(c);
           if constexpr (decltype(with_mma)::value) {
-            if constexpr (SHORT) {
+            if constexpr (SHORT && VRES) {
               if (!row_work) continue;
             }
             // ---- S[16 kQKM x BN/2] += Q[rows, this warp's k-steps of chunk c] K_c^T
@@ -506,7 +508,7 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
         for (int vc = 0; vc < 8; ++vc) {
           buf = step_buf(9 + vc);
           if constexpr (decltype(with_mma)::value) {
-            if constexpr (SHORT) {
+            if constexpr (SHORT && VRES) {
               if (!row_work) continue;
             }
             // ---- O[rows pv_row0.., (chunk vc, dims pv_d0..)] += P[rows, BN] V_vc
@@ -718,8 +720,9 @@ int mla_variant_block_n(int variant) { return variant == kVariantResidentV ? 64 
 
 void launch_mla_tree_verify(const MlaParams& p, cudaStream_t stream) {
   launch_mla_sched(p, stream);
+  const int rows = p.max_q * p.H;  // launch geometry, fixed under a CUDA graph
   if (p.variant == kVariantResidentV) {
-    const bool short_rows = p.max_q * p.H <= 32;  // launch geometry, fixed under a CUDA graph
+    const bool short_rows = rows <= 32;  // warps 4-7 never hold a query
     if (p.kv_fp8) {
       if (short_rows) launch_main<64, 2, true, true, true>(p, stream);
       else launch_main<64, 2, true, true>(p, stream);
@@ -728,8 +731,14 @@ void launch_mla_tree_verify(const MlaParams& p, cudaStream_t stream) {
       else launch_main<64, 2, false, true>(p, stream);
     }
   } else {
-    if (p.kv_fp8) launch_main<32, 5, true, false>(p, stream);
-    else launch_main<32, 5, false, false>(p, stream);
+    const bool short_rows = rows <= 48;  // at least the last 16-row group of every tile is empty
+    if (p.kv_fp8) {
+      if (short_rows) launch_main<32, 5, true, false, true>(p, stream);
+      else launch_main<32, 5, true, false>(p, stream);
+    } else {
+      if (short_rows) launch_main<32, 5, false, false, true>(p, stream);
+      else launch_main<32, 5, false, false>(p, stream);
+    }
   }
   dim3 cgrid(p.B, (p.max_q * p.H + 7) / 8);
   mla_combine_kernel<<<cgrid, 256, 0, stream>>>(p);

@@ -127,8 +127,11 @@ def test_a_paired_child_that_dies_names_itself_and_its_error(tmp_path: Path) -> 
         child.close()
 
 
-def test_paired_groups_keep_one_budget_alive_at_once() -> None:
-    configs = [("none", 0), ("dflash", 8), ("ddtree", 8), ("dflash", 16), ("ddtree", 16)]
-    assert step_time.paired_groups(configs) == [[("none", 0), ("dflash", 8), ("ddtree", 8)],
-                                                [("dflash", 16), ("ddtree", 16)]]  # fmt: skip
+def test_paired_groups_pair_the_v2_chain_with_ddtree_per_budget() -> None:
+    configs = [("none", 0), ("dflash", 8), ("dflash-v1", 8), ("ddtree", 8), ("ddtree-own", 8), ("dflash", 16),
+               ("dflash-v1-plain", 16), ("ddtree", 16)]  # fmt: skip
+    assert step_time.paired_groups(configs) == [
+        [("none", 0)], [("dflash-v1", 8)], [("dflash-v1-plain", 16)],
+        [("dflash", 8), ("ddtree", 8), ("ddtree-own", 8)], [("dflash", 16), ("ddtree", 16)],
+    ]  # fmt: skip
     assert step_time.paired_groups([("none", 0)]) == [[("none", 0)]]
