@@ -12,6 +12,7 @@
 #   acceptance   embedded pairs, budgets 8 16 32 63: GQA | MLA
 #   ops          tree ops incl. the drafter top-k | the MLA kernel vs baselines
 #   tests        the gpu-marked tests: end to end + top-k | kernels and backends
+#   profile      Kimi-K2-attention MLA, budgets 8 16, 32k, batch 1: a torch.profiler table per config (V2 chain, ddtree)
 #   jobs:FILE    the jobs listed in FILE, one per line: LANE NAME ARGS... (runs python3 ARGS; $RESULTS expands)
 # The background form outlives the command that started it (a new process session), so a remote command of limited
 # length can start a long queue and later ones can poll it; poll packs everything into $OUT/results.tgz when $OUT is
@@ -42,10 +43,13 @@ jobs_of() {
       echo "0 tests_e2e -m pytest -q -s -m gpu -p no:cacheprovider tests/test_ddtree_gpu_e2e.py tests/test_draft_topk.py"
       echo "1 tests_kernels -m pytest -q -s -m gpu -p no:cacheprovider --ignore tests/test_ddtree_gpu_e2e.py" \
            "--ignore tests/test_draft_topk.py tests" ;;
+    profile)
+      echo "0 profile_kimi bench/step_time.py --target kimi-mla --configs dflash ddtree --budgets 8 16 --contexts 32768" \
+           "--batches 1 --profile $r/profile --out $r/profile_kimi.json" ;;
     jobs:*)
       [ -f "${1#jobs:}" ] || { echo "no job file '${1#jobs:}'" >&2; return 2; }
       grep -v '^\s*\(#\|$\)' "${1#jobs:}" | sed "s|\$RESULTS|$r|g" ;;
-    *) echo "unknown stage '$1': step-a, step-b, acceptance, ops, tests or jobs:FILE" >&2; return 2 ;;
+    *) echo "unknown stage '$1': step-a, step-b, acceptance, ops, tests, profile or jobs:FILE" >&2; return 2 ;;
   esac
 }
 
@@ -75,7 +79,7 @@ case "${1:-}" in
     for f in "$RESULTS"/*.log; do [ -f "$f" ] && { echo "== $(basename "$f")"; tail -n 3 "$f" | cut -c1-200; }; done
     pack ;;
   lane) shift; lane "$@" ;;
-  "") sed -n '2,17p' "$0" >&2; exit 2 ;;
+  "") sed -n '2,19p' "$0" >&2; exit 2 ;;
   *)
     background=0; [ "$1" = --background ] && { background=1; shift; }
     for stage in "$@"; do jobs_of "$stage" > /dev/null || exit 2; done
