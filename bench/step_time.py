@@ -55,7 +55,7 @@ from engine_probes import (
     start_profiler,
     stop_profiler,
 )
-from paired_children import Child, interleaved_rows
+from paired_children import Child, core_sets, interleaved_rows
 
 DRAFT_LAYERS = 2
 DRAFT_BLOCK = 16
@@ -226,11 +226,12 @@ def _paired_rows(args: argparse.Namespace, workdir: str, group: list[tuple[str, 
     """One group's engines, started one after the other (each finds the memory its predecessors took gone), then
     measured with their repeats interleaved."""
     children: list[Child] = []
+    cpu_sets = core_sets(len(group)) if args.pin else [None] * len(group)
     try:
-        for method, budget in group:
+        for (method, budget), cpus in zip(group, cpu_sets, strict=True):
             cmd = _child_cmd(args, workdir, method, budget, args.gpu_memory / len(group)) + ["--serve"]
             log = args.out.with_name(f"{args.out.stem}.{method}-{budget}.log")
-            children.append(Child(cmd, f"{method} budget {budget}", log))
+            children.append(Child(cmd, f"{method} budget {budget}", log, cpus))
         cells = [(context, batch) for context in args.contexts for batch in args.batches]
         return interleaved_rows(children, cells, args.repeats)
     finally:
@@ -270,6 +271,9 @@ def main() -> None:
                         help="keep a budget's V2 chain and ddtree engines alive at once and alternate their timed "
                              "repeats (each engine gets an equal share of --gpu-memory); the other configurations "
                              "run one engine at a time")
+    parser.add_argument("--pin", action="store_true",
+                        help="with --paired: pin each engine of a group (and its engine core) to its own physical "
+                             "CPU cores")
     parser.add_argument("--gpu-memory", type=float, default=0.85, help="vLLM's gpu_memory_utilization (all engines)")
     parser.add_argument("--one", nargs=2, metavar=("METHOD", "BUDGET"), help=argparse.SUPPRESS)
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
@@ -281,6 +285,8 @@ def main() -> None:
         return
     if args.paired and args.profile:
         parser.error("--profile times one engine at a time; run it without --paired")
+    if args.pin and not args.paired:
+        parser.error("--pin places the engines of a --paired group; add --paired")
     names = args.configs or list(TARGETS[args.target][2])
     unknown = sorted(set(names) - set(TARGETS[args.target][2]))
     if unknown:
@@ -361,6 +367,7 @@ def _write(args: argparse.Namespace, rows: list[dict]) -> list[dict]:
                     for name, (m, b, v2, env) in configs.items()},
         "drafter": f"DFlash {DRAFT_LAYERS} layers, block {DRAFT_BLOCK}, dummy weights", "dtype": "bfloat16",
         "graphs": "FULL_DECODE_ONLY, no torch.compile", "rounds": args.rounds,
+        "engines": ("paired, pinned to their own cores" if args.pin else "paired") if args.paired else "one at a time",
         "timing": "median interval between steady decode steps; median over rounds (processes)",
         "rows": rows}, indent=1))  # fmt: skip
     return rows

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from itertools import pairwise
 from pathlib import Path
@@ -125,6 +126,29 @@ def test_a_paired_child_that_dies_names_itself_and_its_error(tmp_path: Path) -> 
         interleaved_rows(children, [(4096, 1)], repeats=2)
     for child in children:
         child.close()
+
+
+def test_core_sets_split_whole_physical_cores_evenly() -> None:
+    from paired_children import core_sets
+
+    siblings = {c: {c % 5, c % 5 + 5} for c in range(10)}  # 5 cores, SMT pairs (c, c + 5)
+    assert core_sets(2, set(range(10)), siblings) == [frozenset({0, 5, 1, 6, 2, 7}), frozenset({3, 8, 4, 9})]
+    assert core_sets(1, {0, 5, 3}, siblings) == [frozenset({0, 5, 3})]  # only the allowed CPUs of a core
+    with pytest.raises(ValueError, match="a physical core per engine: 3 engines, 2 cores"):
+        core_sets(3, {0, 5, 3}, siblings)
+
+
+def test_a_pinned_child_runs_on_its_cpus(tmp_path: Path) -> None:
+    """The affinity reaches the child process (and so its engine core, which inherits it)."""
+    from paired_children import Child
+
+    script = tmp_path / "child.py"
+    script.write_text("import json, os, sys\nprint('READY', flush=True)\nfor line in sys.stdin:\n"
+                      "    print('RESULT ' + json.dumps({'cpus': sorted(os.sched_getaffinity(0))}), flush=True)\n")
+    cpu = min(os.sched_getaffinity(0))
+    child = Child([sys.executable, str(script)], "pinned", cpus=frozenset({cpu}))
+    assert child.row() == {"cpus": [cpu]}
+    child.close()
 
 
 def test_paired_groups_pair_the_v2_chain_with_ddtree_per_budget() -> None:
