@@ -13,6 +13,7 @@
 #   ops          tree ops incl. the drafter top-k | the MLA kernel vs baselines
 #   tests        the gpu-marked tests: end to end + top-k | kernels and backends
 #   profile      Kimi-K2-attention MLA, budgets 8 16, 32k, batch 1: a torch.profiler table per config (V2 chain, ddtree)
+#   offsets      MLA budget 16, 32k, batch 1, V2 chain + ddtree paired, 3 rounds, unpinned then pinned (one lane)
 #   jobs:FILE    the jobs listed in FILE, one per line: LANE NAME ARGS... (runs python3 ARGS; $RESULTS expands)
 # The background form outlives the command that started it (a new process session), so a remote command of limited
 # length can start a long queue and later ones can poll it; poll packs everything into $OUT/results.tgz when $OUT is
@@ -46,10 +47,16 @@ jobs_of() {
     profile)
       echo "0 profile_kimi bench/step_time.py --target kimi-mla --configs dflash ddtree --budgets 8 16 --contexts 32768" \
            "--batches 1 --profile $r/profile --out $r/profile_kimi.json" ;;
+    offsets)
+      for pin in free pinned; do
+        echo "0 offsets_$pin bench/step_time.py --target kimi-mla --configs dflash" \
+             "ddtree --budgets 16 --contexts 32768 --batches 1 --paired --rounds 3 $([ $pin = pinned ] && echo --pin)" \
+             "--out $r/offsets_$pin.json"
+      done ;;
     jobs:*)
       [ -f "${1#jobs:}" ] || { echo "no job file '${1#jobs:}'" >&2; return 2; }
       grep -v '^\s*\(#\|$\)' "${1#jobs:}" | sed "s|\$RESULTS|$r|g" ;;
-    *) echo "unknown stage '$1': step-a, step-b, acceptance, ops, tests, profile or jobs:FILE" >&2; return 2 ;;
+    *) echo "unknown stage '$1': step-a, step-b, acceptance, ops, tests, profile, offsets or jobs:FILE" >&2; return 2 ;;
   esac
 }
 
@@ -79,7 +86,7 @@ case "${1:-}" in
     for f in "$RESULTS"/*.log; do [ -f "$f" ] && { echo "== $(basename "$f")"; tail -n 3 "$f" | cut -c1-200; }; done
     pack ;;
   lane) shift; lane "$@" ;;
-  "") sed -n '2,19p' "$0" >&2; exit 2 ;;
+  "") sed -n '2,20p' "$0" >&2; exit 2 ;;
   *)
     background=0; [ "$1" = --background ] && { background=1; shift; }
     for stage in "$@"; do jobs_of "$stage" > /dev/null || exit 2; done
