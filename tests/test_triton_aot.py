@@ -50,12 +50,14 @@ def test_walk_kernel_compiles(arch: int) -> None:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_move_path_rows_kernel_compiles(arch: int) -> None:
-    from vllm_ddtree.verify_layout import _move_path_rows_kernel
+def test_path_context_kernel_compiles(arch: int) -> None:
+    from vllm_ddtree.verify_layout import _path_context_kernel
 
-    signature = {"hidden": "*bf16", "row_stride": "i32", "dim": "i32", "query_start_loc": "*i32",
-                 "cu_num_logits": "*i32", "accepted_nodes": "*i64", "acc_stride": "i32", "num_accepted": "*i64"}
-    _check(_compile(_move_path_rows_kernel, signature, {"BLOCK": 1024}, arch), f"move rows sm_{arch}")
+    signature = {"positions": "*i64", "h0": "*bf16", "h1": "*bf16", "h2": "*bf16", "h3": "*bf16", "row_stride": "i32",
+                 "dim": "i32", "query_start_loc": "*i32", "cu_num_logits": "*i32", "idx_mapping": "*i32",
+                 "accepted_nodes": "*i64", "acc_stride": "i32", "num_accepted": "*i64"}  # fmt: skip
+    constexprs = {"NUM_H": 3, "RESTORE": True, "MAX_W": 64, "BLOCK": 1024}
+    _check(_compile(_path_context_kernel, signature, constexprs, arch), f"path context sm_{arch}")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -96,14 +98,12 @@ def test_mla_tree_tail_kernel_compiles(arch: int, heads: int, has_prefix: bool, 
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("linear", [True, False])
-def test_verify_layout_kernel_compiles(arch: int, linear: bool) -> None:
+def test_verify_layout_kernel_compiles(arch: int) -> None:
     from vllm_ddtree.verify_layout import _verify_layout_kernel
 
     signature = {"positions": "*i64", "token_bits": "*i64", "query_start_loc": "*i32", "cu_num_logits": "*i32",
                  "idx_mapping": "*i32", "tree_depth": "*i64", "tree_anc": "*i64", "tree_stride": "i32"}  # fmt: skip
-    constexprs = {"LINEAR": linear, "WRITE_BITS": not linear, "MAX_W": 64}
-    _check(_compile(_verify_layout_kernel, signature, constexprs, arch, 1), f"layout linear={linear} sm_{arch}")
+    _check(_compile(_verify_layout_kernel, signature, {"MAX_W": 64}, arch, 1), f"layout sm_{arch}")
 
 
 @pytest.mark.parametrize("arch", ARCHS)

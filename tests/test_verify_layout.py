@@ -160,22 +160,18 @@ INTERPRETER_CHECK = textwrap.dedent(
     """
     import torch
     from test_verify_layout import random_step
-    from vllm_ddtree.verify_layout import restore_linear_positions, verify_layout_reference, write_verify_layout
+    from vllm_ddtree.verify_layout import verify_layout_reference, write_verify_layout
 
     for seed in range(40):
         want, got = random_step(seed), random_step(seed)
-        linear = got["positions"].clone()
         verify_layout_reference(**want)
         write_verify_layout(**got)
         assert torch.equal(want["positions"], got["positions"]), seed
         assert torch.equal(want["token_bits"], got["token_bits"]), seed
-        args = {k: v for k, v in got.items() if k != "token_bits"}
-        restore_linear_positions(**args)
-        assert torch.equal(got["positions"], linear), seed
 
     from test_verify_layout import verify_batch
     from vllm_ddtree.accept import walk_verify_batch
-    from vllm_ddtree.verify_layout import move_path_rows, path_permutation
+    from vllm_ddtree.verify_layout import path_permutation, restore_path_context
 
     for seed in range(20):
         step, trees, picks, inputs, want = verify_batch(seed)
@@ -184,13 +180,18 @@ INTERPRETER_CHECK = textwrap.dedent(
         for field in ("accepted_nodes", "num_accepted", "output_tokens"):
             assert torch.equal(getattr(got, field), getattr(want, field)), (seed, field)
         assert torch.equal(num_sampled, (want.num_accepted + 1).to(torch.int32))
-        qsl, cu = step["query_start_loc"], step["cu_num_logits"]
-        hidden = torch.randn(int(qsl[-1]) + 3, 40)
-        expect = hidden.clone()
-        n = int(qsl[-1])
-        expect[:n] = hidden[path_permutation(qsl[1:] - (cu[1:] - cu[:-1]), want, n)]
-        move_path_rows(hidden, qsl, cu, want)
-        assert torch.equal(hidden, expect), seed
+        # the drafter's context: linear positions back, and the path rows in order in 0, 2 or 5 hidden tensors
+        # (5: two launches), rows of 1,100 (two column chunks)
+        qsl, cu, n = step["query_start_loc"], step["cu_num_logits"], int(step["query_start_loc"][-1])
+        linear = step["positions"].clone()
+        write_verify_layout(**step)
+        hiddens = [torch.randn(n + 3, 1100) for _ in range(seed % 3 * 5 // 2)]
+        expect = [h.clone() for h in hiddens]
+        for e, h in zip(expect, hiddens, strict=True):
+            e[:n] = h[path_permutation(qsl[1:] - (cu[1:] - cu[:-1]), want, n)]
+        restore_path_context(step["positions"], hiddens, qsl, cu, step["idx_mapping"], want, step["num_reqs"])
+        assert torch.equal(step["positions"], linear), seed
+        assert all(torch.equal(h, e) for h, e in zip(hiddens, expect, strict=True)), seed
     print("ok")
     """
 )
@@ -218,7 +219,7 @@ def test_cuda_layout_kernel_matches_reference() -> None:
 @pytest.mark.gpu
 def test_cuda_walk_and_path_rows_match_the_oracle() -> None:
     from vllm_ddtree.accept import walk_verify_batch
-    from vllm_ddtree.verify_layout import move_path_rows, path_permutation
+    from vllm_ddtree.verify_layout import path_permutation, restore_path_context, write_verify_layout
 
     for seed in range(20):
         step, trees, picks, inputs, want = verify_batch(seed)
@@ -230,11 +231,16 @@ def test_cuda_walk_and_path_rows_match_the_oracle() -> None:
             assert torch.equal(getattr(got, field).cpu(), getattr(want, field)), (seed, field)
         assert torch.equal(num_sampled.cpu(), (want.num_accepted + 1).to(torch.int32))
         qsl, cu = step["query_start_loc"], step["cu_num_logits"]
-        hidden = torch.randn(int(qsl[-1]), 2560, dtype=torch.bfloat16)
-        expect = hidden[path_permutation(qsl[1:] - (cu[1:] - cu[:-1]), want, int(qsl[-1]))]
-        moved = hidden.cuda()
-        move_path_rows(moved, cuda["query_start_loc"], cuda["cu_num_logits"], got)
-        assert torch.equal(moved.cpu(), expect), seed
+        hiddens = [torch.randn(int(qsl[-1]), 2560, dtype=torch.bfloat16) for _ in range(5)]
+        expect = [h[path_permutation(qsl[1:] - (cu[1:] - cu[:-1]), want, int(qsl[-1]))] for h in hiddens]
+        moved = [h.cuda() for h in hiddens]
+        linear = cuda["positions"].clone()
+        write_verify_layout(cuda["positions"], cuda["token_bits"], cuda["query_start_loc"], cuda["cu_num_logits"],
+                            cuda["idx_mapping"], trees.depth.cuda(), trees.anc_bits.cuda(), step["num_reqs"])
+        restore_path_context(cuda["positions"], moved, cuda["query_start_loc"], cuda["cu_num_logits"],
+                             cuda["idx_mapping"], got, step["num_reqs"])  # fmt: skip
+        assert torch.equal(cuda["positions"], linear), seed
+        assert all(torch.equal(m.cpu(), e) for m, e in zip(moved, expect, strict=True)), seed
 
 
 def test_mla_backend_causal_words_per_token() -> None:

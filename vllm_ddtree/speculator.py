@@ -29,7 +29,7 @@ from vllm_ddtree.draft_topk import topk_logprobs
 from vllm_ddtree.sampler import DDTreeRejectionSamplerV1
 from vllm_ddtree.tree import DraftTrees, build_trees
 from vllm_ddtree.tree_state import DDTreeStepState, TreeBuffers, needs_chain
-from vllm_ddtree.verify_layout import move_path_rows, path_permutation, restore_linear_positions
+from vllm_ddtree.verify_layout import path_permutation, restore_path_context
 
 
 def build_trees_with_chains(topk_logprobs: torch.Tensor, topk_ids: torch.Tensor, budget: int,
@@ -184,12 +184,10 @@ class DDTreeSpeculator(DFlashSpeculator):
         """Drafter context = the accepted path (linear positions, path-ordered hidden rows), then DFlash + trees."""
         paths, self.pending_paths = self.pending_paths, None
         if paths is not None and not dummy_run:
-            restore_linear_positions(
-                input_batch.positions, input_batch.query_start_loc, input_batch.cu_num_logits,
-                input_batch.idx_mapping, self.trees.depth, self.trees.anc_bits, input_batch.num_reqs,
+            restore_path_context(
+                input_batch.positions, list(aux_hidden_states or [last_hidden_states]), input_batch.query_start_loc,
+                input_batch.cu_num_logits, input_batch.idx_mapping, paths, input_batch.num_reqs,
             )  # fmt: skip
-            for hidden in aux_hidden_states or [last_hidden_states]:
-                move_path_rows(hidden, input_batch.query_start_loc, input_batch.cu_num_logits, paths)
         return super().propose(
             input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states, num_sampled,
             num_rejected, last_sampled, next_prefill_tokens, temperature, seeds, num_tokens_across_dp, dummy_run,

@@ -5,8 +5,9 @@ same persistent ``positions`` buffer that the FULL CUDA graph reads. Between the
 of each tree row in place to ``base + depth(node)`` (the RoPE position the node has on its own path) and writes the
 per-token ancestor words the tree-attention backend reads: bit ``j`` of ``token_bits[t]`` lets query ``t`` see the
 ``j``-th of its request's last ``q_len`` keys. Rows that are not trees get causal words. After the sampler, the
-drafter needs the linear positions back (DFlash reads them for its context), which the same kernel restores, and
-the target hidden states of the accepted path's nodes in path order (``move_path_rows``).
+drafter needs the linear positions back (DFlash reads them for its context) and the target hidden states of the
+accepted path's nodes in path order: ``restore_path_context`` does both in one launch (host time per step counts
+where batch-1 steps are host-bound).
 
 A batch row verifies a tree when it has drafts (``num_logits > 1``): its last ``num_logits`` tokens are the tree's
 root and first ``num_logits - 1`` nodes, and the tree lives in ``tree_depth``/``tree_anc`` at the row's request
@@ -33,8 +34,6 @@ def _verify_layout_kernel(
     tree_depth,
     tree_anc,
     tree_stride,
-    LINEAR: tl.constexpr,
-    WRITE_BITS: tl.constexpr,
     MAX_W: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -46,49 +45,29 @@ def _verify_layout_kernel(
     i = tl.arange(0, MAX_W)
     root = q_end - num_logits
     on_tree = is_tree & (i < num_logits)
-    if WRITE_BITS:
-        # Causal words for the first min(q_len, 64) rows (longer rows are causal in the kernel), then the tree's.
-        row = i.to(tl.int64)
-        causal = tl.where(row >= 63, -1, (tl.full([MAX_W], 1, tl.int64) << (row + 1)) - 1)
-        anc = tl.load(tree_anc + rsi * tree_stride + i, mask=on_tree, other=0)
-        in_req = i < q_end - q_start
-        tl.store(token_bits + q_start + i, tl.where(on_tree, anc, causal), mask=in_req)
+    # Causal words for the first min(q_len, 64) rows (longer rows are causal in the kernel), then the tree's.
+    row = i.to(tl.int64)
+    causal = tl.where(row >= 63, -1, (tl.full([MAX_W], 1, tl.int64) << (row + 1)) - 1)
+    anc = tl.load(tree_anc + rsi * tree_stride + i, mask=on_tree, other=0)
+    in_req = i < q_end - q_start
+    tl.store(token_bits + q_start + i, tl.where(on_tree, anc, causal), mask=in_req)
     base = tl.load(positions + root, mask=is_tree, other=0)
-    if LINEAR:
-        new_pos = base + i
-    else:
-        new_pos = base + tl.load(tree_depth + rsi * tree_stride + i, mask=on_tree, other=0)
+    new_pos = base + tl.load(tree_depth + rsi * tree_stride + i, mask=on_tree, other=0)
     tl.store(positions + root + i, new_pos, mask=on_tree)
-
-
-def _launch(positions: torch.Tensor, token_bits: torch.Tensor | None, query_start_loc: torch.Tensor,
-            cu_num_logits: torch.Tensor, idx_mapping: torch.Tensor, tree_depth: torch.Tensor, tree_anc: torch.Tensor,
-            num_reqs: int, linear: bool) -> None:
-    if num_reqs == 0:
-        return
-    if tree_depth.stride() != tree_anc.stride() or tree_anc.stride(-1) != 1:
-        raise ValueError("tree_depth and tree_anc must be row-major buffers of one shape")
-    _verify_layout_kernel[(num_reqs,)](
-        positions, token_bits if token_bits is not None else positions, query_start_loc, cu_num_logits, idx_mapping,
-        tree_depth, tree_anc, tree_anc.stride(0),
-        LINEAR=linear, WRITE_BITS=token_bits is not None, MAX_W=MAX_TREE_WIDTH, num_warps=1,
-    )  # fmt: skip
 
 
 def write_verify_layout(positions: torch.Tensor, token_bits: torch.Tensor, query_start_loc: torch.Tensor,
                         cu_num_logits: torch.Tensor, idx_mapping: torch.Tensor, tree_depth: torch.Tensor,
                         tree_anc: torch.Tensor, num_reqs: int) -> None:
     """Depth positions of every tree row in place, and the per-token ancestor words of the whole batch."""
-    _launch(positions, token_bits, query_start_loc, cu_num_logits, idx_mapping, tree_depth, tree_anc, num_reqs,
-            linear=False)
-
-
-def restore_linear_positions(positions: torch.Tensor, query_start_loc: torch.Tensor, cu_num_logits: torch.Tensor,
-                             idx_mapping: torch.Tensor, tree_depth: torch.Tensor, tree_anc: torch.Tensor,
-                             num_reqs: int) -> None:
-    """Undo the depth positions: tree rows get ``base + i`` again (what the drafter and vLLM's bookkeeping read)."""
-    _launch(positions, None, query_start_loc, cu_num_logits, idx_mapping, tree_depth, tree_anc, num_reqs,
-            linear=True)
+    if num_reqs == 0:
+        return
+    if tree_depth.stride() != tree_anc.stride() or tree_anc.stride(-1) != 1:
+        raise ValueError("tree_depth and tree_anc must be row-major buffers of one shape")
+    _verify_layout_kernel[(num_reqs,)](
+        positions, token_bits, query_start_loc, cu_num_logits, idx_mapping, tree_depth, tree_anc, tree_anc.stride(0),
+        MAX_W=MAX_TREE_WIDTH, num_warps=1,
+    )  # fmt: skip
 
 
 def verify_layout_reference(positions: torch.Tensor, token_bits: torch.Tensor, query_start_loc: torch.Tensor,
@@ -123,36 +102,64 @@ def path_permutation(logits_start: torch.Tensor, paths: AcceptedPaths, num_token
     return index[:num_tokens]
 
 
-@triton.jit
-def _move_path_rows_kernel(hidden, row_stride, dim, query_start_loc, cu_num_logits, accepted_nodes, acc_stride,
-                           num_accepted, BLOCK: tl.constexpr):
-    """Program (request, column chunk): rows root+1..root+a take the rows of the path's nodes, in depth order.
+MAX_HIDDENS = 4  # hidden tensors per launch of the path-context kernel (DFlash reads 3-5 target layers)
 
-    In place without a copy: the node at depth ``k`` has index ``>= k`` (parents precede children), so a row that
-    is read later was never written before."""
+
+@triton.jit
+def _path_context_kernel(positions, h0, h1, h2, h3, row_stride, dim, query_start_loc, cu_num_logits, idx_mapping,
+                         accepted_nodes, acc_stride, num_accepted, NUM_H: tl.constexpr, RESTORE: tl.constexpr,
+                         MAX_W: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (request, column chunk): with RESTORE, chunk 0 gives the request's tree rows their linear positions
+    back; then in each of the NUM_H hidden tensors, rows root+1..root+a take the rows of the path's nodes in depth
+    order. In place without a copy: the node at depth ``k`` has index ``>= k`` (parents precede children), so a row
+    that is read later was never written before."""
     b = tl.program_id(0).to(tl.int64)
+    num_logits = (tl.load(cu_num_logits + b + 1) - tl.load(cu_num_logits + b)).to(tl.int64)
+    root = tl.load(query_start_loc + b + 1).to(tl.int64) - num_logits
+    if RESTORE:
+        if tl.program_id(1) == 0:
+            is_tree = (num_logits > 1) & (tl.load(idx_mapping + b) >= 0)
+            i = tl.arange(0, MAX_W)
+            base = tl.load(positions + root, mask=is_tree, other=0)
+            tl.store(positions + root + i, base + i, mask=is_tree & (i < num_logits))
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < dim
-    num_logits = tl.load(cu_num_logits + b + 1) - tl.load(cu_num_logits + b)
-    root = (tl.load(query_start_loc + b + 1) - num_logits).to(tl.int64)
     for k in range(1, tl.load(num_accepted + b) + 1):
         node = tl.load(accepted_nodes + b * acc_stride + k)
-        row = tl.load(hidden + (root + node) * row_stride + cols, mask=mask)
-        tl.store(hidden + (root + k) * row_stride + cols, row, mask=mask)
+        src = (root + node) * row_stride + cols
+        dst = (root + k) * row_stride + cols
+        for t in tl.static_range(NUM_H):
+            h = h0
+            if t == 1:
+                h = h1
+            if t == 2:
+                h = h2
+            if t == 3:
+                h = h3
+            tl.store(h + dst, tl.load(h + src, mask=mask), mask=mask)
 
 
-def move_path_rows(hidden: torch.Tensor, query_start_loc: torch.Tensor, cu_num_logits: torch.Tensor,
-                   paths: AcceptedPaths) -> None:
-    """Put each request's accepted path in path order in ``hidden`` ``[tokens, dim]`` (in place): the verify rows
-    root+1..root+a take the rows of the path's nodes at depths 1..a. One launch, no host reads; the torch reference
-    is a gather through ``path_permutation``."""
-    num_reqs = paths.num_accepted.shape[0]
+def restore_path_context(positions: torch.Tensor, hiddens: list[torch.Tensor], query_start_loc: torch.Tensor,
+                         cu_num_logits: torch.Tensor, idx_mapping: torch.Tensor, paths: AcceptedPaths,
+                         num_reqs: int) -> None:
+    """The drafter's context after a tree verify, in place: every tree row's linear position back (``base + i``,
+    undoing ``write_verify_layout``), and in each hidden tensor ``[tokens, dim]`` the accepted path's rows in path
+    order (the torch reference is a gather through ``path_permutation``). One launch per ``MAX_HIDDENS`` hidden
+    tensors, no host reads."""
     if num_reqs == 0:
         return
-    if hidden.stride(-1) != 1:
-        raise ValueError("move_path_rows needs rows with a contiguous last dim")
-    block = min(triton.next_power_of_2(hidden.shape[-1]), 1024)
-    _move_path_rows_kernel[(num_reqs, triton.cdiv(hidden.shape[-1], block))](
-        hidden, hidden.stride(0), hidden.shape[-1], query_start_loc, cu_num_logits, paths.accepted_nodes,
-        paths.accepted_nodes.stride(0), paths.num_accepted, BLOCK=block, num_warps=4,
-    )  # fmt: skip
+    groups = [hiddens[i : i + MAX_HIDDENS] for i in range(0, len(hiddens), MAX_HIDDENS)] or [[]]
+    for n, group in enumerate(groups):
+        first = group[0] if group else positions
+        if any(h.stride(-1) != 1 or h.stride(0) != first.stride(0) or h.shape[-1] != first.shape[-1]
+               or h.dtype != first.dtype for h in group):  # fmt: skip
+            raise ValueError("restore_path_context needs hidden tensors of one dtype, width and row stride, with a "
+                             "contiguous last dim")  # fmt: skip
+        dim = first.shape[-1] if group else 0
+        block = min(triton.next_power_of_2(max(dim, 1)), 1024)
+        slots = [*group, *[first] * (MAX_HIDDENS - len(group))]
+        _path_context_kernel[(num_reqs, max(triton.cdiv(dim, block), 1))](
+            positions, *slots, first.stride(0), dim, query_start_loc, cu_num_logits, idx_mapping,
+            paths.accepted_nodes, paths.accepted_nodes.stride(0), paths.num_accepted,
+            NUM_H=len(group), RESTORE=n == 0, MAX_W=MAX_TREE_WIDTH, BLOCK=block, num_warps=4,
+        )  # fmt: skip
