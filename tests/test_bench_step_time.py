@@ -28,7 +28,7 @@ def test_rounds_combine_to_their_median_and_ratios_use_it(tmp_path: Path) -> Non
     rows += [row("ddtree", 16, ms, i) for i, ms in enumerate([3.5, 9.0, 4.2])]
     rows += [row("dflash-v1", 16, ms, i, None) for i, ms in enumerate([14.0, 14.0, 16.0])]
     rows += [row("dflash-v1-plain", 16, ms, i, None) for i, ms in enumerate([20.0, 21.0, 19.0])]
-    args = argparse.Namespace(target="kimi-mla", rounds=3, out=tmp_path / "r.json")
+    args = argparse.Namespace(target="kimi-mla", rounds=3, out=tmp_path / "r.json", paired=True, pin=False)
     table = step_time._write(args, rows)
     by_method = {r["method"]: r for r in table}
     assert len(table) == 4 and all("round" not in r for r in table)
@@ -40,7 +40,7 @@ def test_rounds_combine_to_their_median_and_ratios_use_it(tmp_path: Path) -> Non
     assert by_method["ddtree"]["steps"] == 90 and by_method["ddtree"]["verify_graph_replays"] == 30
     assert by_method["dflash-v1"]["verify_graph_replays"] is None
     written = json.loads(args.out.read_text())
-    assert written["rounds"] == 3 and written["rows"] == table
+    assert written["rounds"] == 3 and written["rows"] == table and written["engines"] == "paired"
 
 
 @pytest.mark.e2e
