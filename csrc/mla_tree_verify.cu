@@ -704,6 +704,18 @@ void launch_main(const MlaParams& p, cudaStream_t stream) {
   kern<<<grid, C::kThreads, C::kSmem, stream>>>(p);
 }
 
+// One configuration's instantiations: cache dtype x SHORT, both fixed per CUDA graph.
+template <int BN, int STAGES, bool VRES>
+void launch_config(const MlaParams& p, bool short_rows, cudaStream_t stream) {
+  if (p.kv_fp8) {
+    if (short_rows) launch_main<BN, STAGES, true, VRES, true>(p, stream);
+    else launch_main<BN, STAGES, true, VRES>(p, stream);
+  } else {
+    if (short_rows) launch_main<BN, STAGES, false, VRES, true>(p, stream);
+    else launch_main<BN, STAGES, false, VRES>(p, stream);
+  }
+}
+
 }  // namespace
 
 int mla_pick_variant(int device) {
@@ -722,25 +734,11 @@ void launch_mla_tree_verify(const MlaParams& p, cudaStream_t stream) {
   launch_mla_sched(p, stream);
   const int rows = p.max_q * p.H;  // launch geometry, fixed under a CUDA graph
   if (p.variant == kVariantResidentV) {
-    const bool short_rows = rows <= 32;  // warps 4-7 never hold a query
-    if (p.kv_fp8) {
-      if (short_rows) launch_main<64, 2, true, true, true>(p, stream);
-      else launch_main<64, 2, true, true>(p, stream);
-    } else {
-      if (short_rows) launch_main<64, 2, false, true, true>(p, stream);
-      else launch_main<64, 2, false, true>(p, stream);
-    }
+    launch_config<64, 2, true>(p, rows <= 32, stream);  // SHORT: warps 4-7 never hold a query
   } else {
-    const bool short_rows = rows <= 48;  // at least the last 16-row group of every tile is empty
-    if (p.kv_fp8) {
-      if (short_rows) launch_main<32, 5, true, false, true>(p, stream);
-      else launch_main<32, 5, true, false>(p, stream);
-    } else {
-      if (short_rows) launch_main<32, 5, false, false, true>(p, stream);
-      else launch_main<32, 5, false, false>(p, stream);
-    }
+    launch_config<32, 5, false>(p, rows <= 48, stream);  // SHORT: at least the last 16-row group of a tile is empty
   }
-  dim3 cgrid(p.B, (p.max_q * p.H + 7) / 8);
+  dim3 cgrid(p.B, (rows + 7) / 8);
   mla_combine_kernel<<<cgrid, 256, 0, stream>>>(p);
 }
 
