@@ -109,24 +109,29 @@ def kv_capacity(worker: Any) -> float:
     return get_max_concurrency_for_kv_cache_config(worker.vllm_config, worker.model_runner.kv_cache_config)
 
 
-def start_profiler(worker: Any) -> None:
+def start_profiler(worker: Any, with_stack: bool = False) -> None:
+    """``with_stack`` also records every Python call (slower host, but its trace says which function the host time
+    of a step goes to)."""
     import torch
 
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    worker.ddtree_profiler = torch.profiler.profile(activities=activities)
+    worker.ddtree_profiler = torch.profiler.profile(activities=activities, with_stack=with_stack)
     worker.ddtree_profiler.__enter__()
 
 
-def stop_profiler(worker: Any) -> str:
+def stop_profiler(worker: Any, trace: str | None = None) -> str:
     """Kernels and host ops of the engine's process since ``start_profiler``, as two tables, then the 12 kernels of
     most GPU time with their full names and per-call microseconds (min / median / max): the tables cut template
-    names, and a mean hides whether every call or a few got slower."""
+    names, and a mean hides whether every call or a few got slower. ``trace``: also write the Chrome trace there."""
     import statistics
 
     import torch
 
     prof = worker.ddtree_profiler
     prof.__exit__(None, None, None)
+    if trace:
+        prof.export_chrome_trace(trace)
+        return python_time_by_function(trace)
     calls: dict[str, list[float]] = {}
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
@@ -137,3 +142,38 @@ def stop_profiler(worker: Any) -> str:
     averages = prof.key_averages()
     tables = [averages.table(sort_by=key, row_limit=40) for key in ("self_cuda_time_total", "cpu_time_total")]
     return "\n".join([*tables, *lines]) + "\n"
+
+
+def python_time_by_function(trace: str, top: int = 80) -> str:
+    """Host time of a ``with_stack`` Chrome trace by Python function (inclusive and self ms, calls), the ``top`` of
+    most inclusive time among vLLM's, this plugin's and torch's CUDA-graph functions. The trace itself is deleted:
+    with every Python call in it, it is too large to bring back from a lent machine."""
+    import json
+    from pathlib import Path
+
+    path = Path(trace)
+    events = [e for e in json.loads(path.read_text())["traceEvents"]
+              if e.get("cat") == "python_function" and e.get("ph") == "X"]  # fmt: skip
+    path.unlink()
+    inclusive: dict[str, float] = {}
+    own: dict[str, float] = {}
+    calls: dict[str, int] = {}
+    by_thread: dict[Any, list[dict]] = {}
+    for event in events:
+        by_thread.setdefault(event.get("tid"), []).append(event)
+    for thread_events in by_thread.values():
+        stack: list[dict] = []
+        for event in sorted(thread_events, key=lambda e: (e["ts"], -e["dur"])):
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] <= event["ts"]:
+                stack.pop()
+            name = event["name"]
+            inclusive[name] = inclusive.get(name, 0.0) + event["dur"]
+            own[name] = own.get(name, 0.0) + event["dur"]
+            calls[name] = calls.get(name, 0) + 1
+            if stack:
+                own[stack[-1]["name"]] -= event["dur"]
+            stack.append(event)
+    wanted = [n for n in inclusive if "vllm" in n or "ddtree" in n or "cuda/graphs" in n]
+    lines = [f"{inclusive[n] / 1e3:10.2f} ms {own[n] / 1e3:9.2f} ms self {calls[n]:6d} calls  {n}"
+             for n in sorted(wanted, key=lambda n: -inclusive[n])[:top]]  # fmt: skip
+    return "Python functions (with_stack trace), inclusive / self host time:\n" + "\n".join(lines) + "\n"

@@ -39,6 +39,7 @@ import os
 import statistics
 import sys
 import tempfile
+from functools import partial
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -162,12 +163,16 @@ class EngineBench:
 
     def profile(self, directory: str) -> None:
         args = self.args
-        self.on_worker(start_profiler)
-        self.llm.generate(self.prompts, self.params, use_tqdm=False)
         out = Path(directory) / f"{args.target}-{args.method}-{args.budget}-{self.context}-b{self.batch}.txt"
         out.parent.mkdir(parents=True, exist_ok=True)
+        self.on_worker(start_profiler)
+        self.llm.generate(self.prompts, self.params, use_tqdm=False)
         out.write_text(f"{args.method} budget {args.budget}: one generate of {1 + args.steps} tokens (first "
                        f"is prefill), engine process\n" + self.on_worker(stop_profiler))  # fmt: skip
+        self.on_worker(partial(start_profiler, with_stack=True))
+        self.llm.generate(self.prompts, self.params, use_tqdm=False)
+        by_function = self.on_worker(partial(stop_profiler, trace=str(out.with_suffix(".trace.json"))))
+        out.with_suffix(".python.txt").write_text(by_function)
 
     def row(self) -> dict:
         return {"method": self.args.method, "budget": self.args.budget if self.spec else 0,
@@ -264,7 +269,8 @@ def main() -> None:
                         help="run every configuration this many times, interleaved, one process each (median)")
     parser.add_argument("--out", type=Path, default=Path("bench/results/step_time_h200.json"))
     parser.add_argument("--profile", metavar="DIR",
-                        help="also write a torch.profiler table per configuration, context and batch here (round 0)")
+                        help="also write a torch.profiler table per configuration, context and batch here (round 0), "
+                             "and the host time by Python function of a second generate (with_stack trace)")
     parser.add_argument("--inline", action="store_true",
                         help="run the engine core inside the bench process (how the earlier JSON was measured)")
     parser.add_argument("--paired", action="store_true",

@@ -159,3 +159,22 @@ def test_paired_groups_pair_the_v2_chain_with_ddtree_per_budget() -> None:
         [("dflash", 8), ("ddtree", 8), ("ddtree-own", 8)], [("dflash", 16), ("ddtree", 16)],
     ]  # fmt: skip
     assert step_time.paired_groups([("none", 0)]) == [[("none", 0)]]
+
+
+def test_python_time_by_function_splits_inclusive_and_self_time(tmp_path: Path) -> None:
+    from engine_probes import python_time_by_function
+
+    def call(name: str, ts: float, dur: float, tid: int = 1) -> dict:
+        return {"cat": "python_function", "ph": "X", "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+    step, propose, walk = "vllm/worker.py(1): execute_model", "vllm_ddtree/speculator.py(2): propose", "x.py(3): walk"
+    events = [call(step, 0, 1000), call(propose, 100, 600), call(walk, 200, 100), call(step, 2000, 500),
+              call(step, 0, 50, tid=2), {"cat": "kernel", "ph": "X", "name": "k", "ts": 0, "dur": 9}]  # fmt: skip
+    trace = tmp_path / "t.trace.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    lines = python_time_by_function(str(trace)).splitlines()[1:]
+    assert not trace.exists()
+    assert [line.split() for line in lines] == [
+        ["1.55", "ms", "0.95", "ms", "self", "3", "calls", *step.split()],
+        ["0.60", "ms", "0.50", "ms", "self", "1", "calls", *propose.split()],
+    ]
