@@ -13,7 +13,7 @@
 #   ops          tree ops incl. the drafter top-k | the MLA kernel vs baselines
 #   tests        the gpu-marked tests: end to end + top-k | kernels and backends
 #   profile      Kimi-K2-attention MLA, budgets 8 16, 32k, batch 1: a torch.profiler table per config (V2 chain, ddtree)
-#   offsets      MLA budget 16, 32k, batch 1, V2 chain + ddtree paired, 3 rounds, unpinned then pinned (one lane)
+#   offsets      MLA budgets 16 8, batch 1: V2 chain + ddtree paired and pinned, 15 alternating repeats (one lane)
 #   jobs:FILE    the jobs listed in FILE, one per line: LANE NAME ARGS... (runs python3 ARGS; $RESULTS expands)
 # The background form outlives the command that started it (a new process session), so a remote command of limited
 # length can start a long queue and later ones can poll it; poll packs everything into $OUT/results.tgz when $OUT is
@@ -33,7 +33,7 @@ jobs_of() {
       tag=${1#step-}; budgets="8 16"; [ "$1" = step-b ] && budgets="32 63"
       echo "0 step_qwen3_$tag bench/step_time.py --target qwen3-4b --budgets $budgets --out $r/step_qwen3_$tag.json"
       echo "1 step_kimi_$tag bench/step_time.py --target kimi-mla --configs none dflash dflash-v1" \
-           "dflash-v1-plain ddtree --budgets $budgets --paired --out $r/step_kimi_$tag.json" ;;
+           "dflash-v1-plain ddtree --budgets $budgets --paired --pin --repeats 9 --out $r/step_kimi_$tag.json" ;;
     acceptance)
       echo "0 acc_gqa bench/acceptance.py --pairs gqa --out $r/acc_gqa.json"
       echo "1 acc_mla bench/acceptance.py --pairs mla --out $r/acc_mla.json" ;;
@@ -48,11 +48,8 @@ jobs_of() {
       echo "0 profile_kimi bench/step_time.py --target kimi-mla --configs dflash ddtree --budgets 8 16 --contexts 32768" \
            "--batches 1 --profile $r/profile --out $r/profile_kimi.json" ;;
     offsets)
-      for pin in free pinned; do
-        echo "0 offsets_$pin bench/step_time.py --target kimi-mla --configs dflash" \
-             "ddtree --budgets 16 --contexts 32768 --batches 1 --paired --rounds 3 $([ $pin = pinned ] && echo --pin)" \
-             "--out $r/offsets_$pin.json"
-      done ;;
+      echo "0 offsets bench/step_time.py --target kimi-mla --configs dflash ddtree --budgets 16 8 --batches 1" \
+           "--paired --pin --repeats 15 --out $r/offsets.json" ;;
     jobs:*)
       [ -f "${1#jobs:}" ] || { echo "no job file '${1#jobs:}'" >&2; return 2; }
       grep -v '^\s*\(#\|$\)' "${1#jobs:}" | sed "s|\$RESULTS|$r|g" ;;

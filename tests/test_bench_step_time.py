@@ -36,6 +36,9 @@ def test_rounds_combine_to_their_median_and_ratios_use_it(tmp_path: Path) -> Non
     assert by_method["ddtree"]["vs_chain"] == round(4.2 / 4.0, 3)
     assert by_method["ddtree"]["vs_chain_v1"] == round(4.2 / 14.0, 3)
     assert by_method["ddtree"]["vs_chain_v1_plain"] == round(4.2 / 20.0, 3)
+    assert by_method["ddtree"]["vs_chain_pairs"] == 0.875  # median of 3.5/4, 9/3, 4.2/5: the slow round outvoted
+    assert by_method["ddtree"]["vs_chain_q1"] == round(3.5 / 3.0, 3)
+    assert by_method["dflash"]["vs_chain_q1"] is None and by_method["dflash"]["vs_chain_pairs"] is None
     assert by_method["dflash-v1"]["vs_chain_v1_plain"] is None  # only ddtree rows compare with the V1 chains
     assert by_method["ddtree"]["steps"] == 90 and by_method["ddtree"]["verify_graph_replays"] == 30
     assert by_method["dflash-v1"]["verify_graph_replays"] is None
@@ -178,3 +181,11 @@ def test_python_time_by_function_splits_inclusive_and_self_time(tmp_path: Path) 
         ["1.55", "ms", "0.95", "ms", "self", "3", "calls", *step.split()],
         ["0.60", "ms", "0.50", "ms", "self", "1", "calls", *propose.split()],
     ]
+
+
+def test_robust_ratios_pair_repeats_only_when_the_engines_alternated() -> None:
+    chain, ddtree = [2.6, 2.6, 3.9, 3.9, 2.6], [2.7, 2.7, 4.0, 4.0, 3.9]
+    assert step_time.robust_ratios(ddtree, chain, paired=True)["vs_chain_pairs"] == round(2.7 / 2.6, 3)
+    assert step_time.robust_ratios(ddtree, chain, paired=False) == {"vs_chain_q1": round(2.7 / 2.6, 3),
+                                                                     "vs_chain_pairs": None}
+    assert step_time.robust_ratios([2.7], [2.6], paired=True) == {"vs_chain_q1": None, "vs_chain_pairs": None}
