@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 _SOURCES = ("bindings.cpp", "mla_tree_verify.cu", "mla_tree_verify_sched.cu")
-_HEADERS = ("mla_tree_verify.cuh",)
+_HEADERS = ("mla_tree_verify.cuh", "mla_device_utils.cuh")
 _lock = threading.Lock()
 _loaded = False
 
