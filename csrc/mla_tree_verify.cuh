@@ -22,6 +22,7 @@ struct SchedView {
   int* piece_slot;   // [MP] workspace slot for split requests, -1 when the request has a single piece
   int* req_npieces;  // [B]
   int* req_slot0;    // [B] workspace slot of the request's first piece
+  int* scratch;      // [3B] the line planner's per-request tiles, line starts and first pieces (mla_sched_plan.cuh)
   __host__ __device__ SchedView(int* base, int B, int P) {
     const int mp = B + P;
     part_begin = base;
@@ -31,8 +32,9 @@ struct SchedView {
     piece_slot = piece_t1 + mp;
     req_npieces = piece_slot + mp;
     req_slot0 = req_npieces + B;
+    scratch = req_slot0 + B;
   }
-  static __host__ __device__ int64_t size(int B, int P) { return (P + 1) + 4 * (int64_t)(B + P) + 2 * (int64_t)B; }
+  static __host__ __device__ int64_t size(int B, int P) { return (P + 1) + 4 * (int64_t)(B + P) + 5 * (int64_t)B; }
 };
 
 struct MlaParams {
