@@ -655,19 +655,30 @@ void launch_config(const MlaParams& p, bool short_rows, cudaStream_t stream) {
 
 }  // namespace
 
-int mla_pick_variant(int device) {
-  // Resident-V needs ~226 KB of opt-in shared memory (sm_90); sm_80/86/89/120 take the portable path.
+int mla_pick_variant(int device, int rows) {
+  // Decode-shaped launches (<= 16 rows a request) take the decode variant on every GPU. Otherwise resident-V needs
+  // ~226 KB of opt-in shared memory (sm_90); sm_80/86/89/120 take the portable path.
   const char* env = std::getenv("DDTREE_MLA_VARIANT");
-  if (env != nullptr && std::strcmp(env, "portable") == 0) return kVariantPortable;
+  const bool force_portable = env != nullptr && std::strcmp(env, "portable") == 0;
+  const bool force_resident = env != nullptr && std::strcmp(env, "resident") == 0;
+  const bool force_decode = env != nullptr && std::strcmp(env, "decode") == 0;
+  if (force_portable) return kVariantPortable;
+  if (force_decode || (!force_resident && rows <= kDecodeMaxRows)) return kVariantDecode;
   int optin = 0;
   if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) optin = 0;
   const bool fits = optin >= KCfg<64, 2, false, true>::kSmem && optin >= KCfg<64, 2, true, true>::kSmem;
   return fits ? kVariantResidentV : kVariantPortable;
 }
 
-int mla_variant_block_n(int variant) { return variant == kVariantResidentV ? 64 : 32; }
+int mla_variant_block_n(int variant) {
+  return variant == kVariantDecode ? 16 : variant == kVariantResidentV ? 64 : 32;
+}
 
 void launch_mla_tree_verify(const MlaParams& p, cudaStream_t stream) {
+  if (p.variant == kVariantDecode) {  // its own planner, kernel and combine (mla_decode_verify.cu)
+    launch_mla_decode(p, stream);
+    return;
+  }
   launch_mla_sched(p, stream);
   const int rows = p.max_q * p.H;  // launch geometry, fixed under a CUDA graph
   if (p.variant == kVariantResidentV) {
