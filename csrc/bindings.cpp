@@ -54,6 +54,7 @@ void mla_tree_verify_cuda(const at::Tensor& q_nope, const at::Tensor& q_pe, cons
   const int64_t esz = kv_cache.element_size();
   TORCH_CHECK(aligned16(kv_cache) && (kv_cache.stride(0) * esz) % 16 == 0 && (kv_cache.stride(1) * esz) % 16 == 0,
               "kv_cache rows must be 16-byte aligned");
+  TORCH_CHECK(kv_cache.stride(1) * esz < (int64_t(1) << 31), "kv_cache row stride must be below 2 GiB");
 
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2 && block_table.stride(1) == 1,
               "block_table must be int32 [B, max_blocks] with contiguous rows");

@@ -81,6 +81,7 @@ __global__ void __launch_bounds__(kDecThreads, kDecMinBlocks) mla_decode_verify_
   const int pc_begin = sv.part_begin[part], pc_end = sv.part_begin[part + 1];
   const int page_mask = (1 << p.page_log2) - 1;
   const bool big_pages = p.page_log2 >= 4;  // a 16-key tile (16-aligned) then lies in one page
+  const int row_bytes = static_cast<int>(p.kv_row_stride);  // < 2^31 (checked by the binding)
   int xb = 0;  // S exchange buffer; alternates every tile, across pieces too (CTA-uniform)
 
   for (int pc = pc_begin; pc < pc_end; ++pc) {
@@ -96,28 +97,50 @@ __global__ void __launch_bounds__(kDecThreads, kDecMinBlocks) mla_decode_verify_
     const int* bt = p.block_table + (int64_t)b * p.bt_stride;
 
     // this warp's dims of the 16 keys of `tile` -> ring slot at `dst` (keys >= L zero-filled, block table untouched)
+    auto unit_of = [&](int i, int& r, uint32_t& off, int& col) {  // col: byte column in the cache row
+      int dim;
+      if constexpr (FP8) {
+        uint32_t d0, d1;
+        dec::fp8_unit(i, warp, r, off, dim, d0, d1);
+        col = dim;
+      } else {
+        dec::bf16_unit(i, warp, r, off, dim);
+        col = 2 * dim;
+      }
+    };
     auto issue = [&](int tile, uint32_t dst) {
-      const int key0 = tile * dec::kBN;
-      const int pg_tile = big_pages ? bt[key0 >> p.page_log2] : 0;  // key0 < L: tile < t1 <= ceil(L / 16)
+      const int key0 = tile * dec::kBN;  // < L: tile < t1 <= ceil(L / 16)
+      const int nvalid = L - key0;       // rows r < nvalid of the tile are keys < L
+      if (big_pages) {
+        // One page holds the whole tile (16-aligned, >= 16 tokens a page): one block-table read; rows past L are
+        // still inside that page, so their address is formed unconditionally (src-size 0 reads nothing).
+        const uint8_t* base = p.kv + (int64_t)bt[key0 >> p.page_log2] * p.kv_page_stride +
+                              (int64_t)(key0 & page_mask) * p.kv_row_stride;
 #pragma unroll
-      for (int it = 0; it < C::kLoadIts; ++it) {
-        const int i = lane + 32 * it;
-        if (FP8 && i >= dec::kUnitsFp8) continue;
-        int r, dim;
-        uint32_t off;
-        if constexpr (FP8) {
-          uint32_t d0, d1;
-          dec::fp8_unit(i, warp, r, off, dim, d0, d1);
-        } else {
-          dec::bf16_unit(i, warp, r, off, dim);
+        for (int it = 0; it < C::kLoadIts; ++it) {
+          const int i = lane + 32 * it;
+          if (FP8 && i >= dec::kUnitsFp8) continue;
+          int r, col;
+          uint32_t off;
+          unit_of(i, r, off, col);
+          cp_async16(dst + off, base + (r * row_bytes + col), r < nvalid);
         }
-        const int key = key0 + r;
-        const bool valid = key < L;
-        const int pg = big_pages ? pg_tile : (valid ? bt[key >> p.page_log2] : 0);
-        const uint8_t* src = valid ? p.kv + (int64_t)pg * p.kv_page_stride + (int64_t)(key & page_mask) * p.kv_row_stride +
-                                         (FP8 ? dim : 2 * dim)
-                                   : p.kv;
-        cp_async16(dst + off, src, valid);
+      } else {  // pages of fewer than 16 tokens: a block-table read per key
+#pragma unroll
+        for (int it = 0; it < C::kLoadIts; ++it) {
+          const int i = lane + 32 * it;
+          if (FP8 && i >= dec::kUnitsFp8) continue;
+          int r, col;
+          uint32_t off;
+          unit_of(i, r, off, col);
+          const int key = key0 + r;
+          const bool valid = r < nvalid;
+          const uint8_t* src = p.kv;
+          if (valid)
+            src += (int64_t)bt[key >> p.page_log2] * p.kv_page_stride + (int64_t)(key & page_mask) * p.kv_row_stride +
+                   col;
+          cp_async16(dst + off, src, valid);
+        }
       }
     };
 
