@@ -429,16 +429,18 @@ __global__ void __launch_bounds__(256) mla_combine_wide_kernel(const MlaParams p
   const int64_t tok = q0 + node;
   char* orow = reinterpret_cast<char*>(p.out) + (tok * p.out_s0 + head * p.out_s1) * 2;
   const int d = slice * 128 + lane * 4;
-  uint2 w;
+  uint32_t w0, w1;
   if (p.out_fp16) {
     __half2 h0 = __floats2half2_rn(t.x, t.y), h1 = __floats2half2_rn(t.z, t.w);
-    memcpy(&w.x, &h0, 4);
-    memcpy(&w.y, &h1, 4);
+    memcpy(&w0, &h0, 4);
+    memcpy(&w1, &h1, 4);
   } else {
-    w.x = pack_bf16(t.x, t.y);
-    w.y = pack_bf16(t.z, t.w);
+    w0 = pack_bf16(t.x, t.y);
+    w1 = pack_bf16(t.z, t.w);
   }
-  *reinterpret_cast<uint2*>(orow + d * 2) = w;
+  // two 4-byte stores: the binding guarantees 4-byte aligned output rows (even strides), not 8
+  *reinterpret_cast<uint32_t*>(orow + d * 2) = w0;
+  *reinterpret_cast<uint32_t*>(orow + d * 2 + 4) = w1;
   if (slice == 0 && lane == 0)
     p.lse[tok * p.lse_s0 + head * p.lse_s1] = sum > 0.f ? (mu + log2f(sum)) * kLn2 : -INFINITY;
 }
