@@ -9,8 +9,8 @@
 // intersection of a request's tiles with a part. Everything follows from prefix sums and one binary search per part.
 //
 // Invariants (checked by the host harness):
-// - per >= OV + 1, so every part whose range starts before the line's end holds at least one tile; later parts are
-//   empty (part_begin = total pieces).
+// - per >= OV + 1 (part_len), so every part whose range starts before the line's end holds at least one tile;
+//   later parts are empty (part_begin = total pieces).
 // - pieces are numbered by request, then by part, which is also their order by part: the pieces of part p are
 //   [part_begin[p], part_begin[p+1]).
 // - request b has n_b = pl_b - pf_b + 1 pieces (pf_b / pl_b: parts of its first / last tile), consecutive ids from
@@ -31,9 +31,11 @@ namespace plan {
 
 DDTREE_HD int req_tiles(int n, int L, int bn) { return (n > 0 && L > 0) ? (L + bn - 1) / bn : 0; }
 DDTREE_HD int req_cost(int k, int ov) { return k > 0 ? k + ov : 0; }
-DDTREE_HD int part_len(int total, int P, int ov) {
+// Line units per part: an equal share, but at least ov + min_tiles (min_tiles >= 1), so that a part's pieces are not
+// all overhead: short contexts then use fewer parts instead of one-tile pieces whose partials cost more than them.
+DDTREE_HD int part_len(int total, int P, int ov, int min_tiles) {
   const int per = (total + P - 1) / P;
-  return per < ov + 1 ? ov + 1 : per;
+  return per < ov + min_tiles ? ov + min_tiles : per;
 }
 
 // Phase 1 (requests [b0, b1) of one thread): tiles per request into sK; returns the chunk's line length.

@@ -19,7 +19,8 @@ static int fail(const char* what, int B, int P, int bn) {
   return 1;
 }
 
-static int check(const std::vector<int>& seq, const std::vector<int>& qsl, int P, int bn, double* imbalance) {
+static int check(const std::vector<int>& seq, const std::vector<int>& qsl, int P, int bn, int min_tiles,
+                 double* imbalance) {
   const int B = static_cast<int>(seq.size());
   std::vector<int> sK(B), sC(B), sS(B), npc(B), slot0(B);
   std::vector<int> part_begin(P + 1, -7), preq(B + P, -7), pt0(B + P, -7), pt1(B + P, -7), pslot(B + P, -7);
@@ -33,7 +34,8 @@ static int check(const std::vector<int>& seq, const std::vector<int>& qsl, int P
   int total = 0;
   std::vector<int> cbase(kNT);
   for (int t = 0; t < kNT; ++t) { cbase[t] = total; total += csum[t]; }
-  const int per = part_len(total, P, kOV);
+  const int per = part_len(total, P, kOV, min_tiles);
+  if (per < kOV + min_tiles || (total > 0 && static_cast<long long>(per) * P < total)) return fail("per", B, P, bn);
   for (int t = 0; t < kNT; ++t) chunk_count(b0v[t], b1v[t], cbase[t], kOV, per, sK.data(), sC.data(), np[t], ns[t]);
   int np_total = 0, ns_total = 0;
   std::vector<int> pbase(kNT), sbase(kNT);
@@ -121,8 +123,9 @@ int main() {
     std::vector<int> qsl(seq.size() + 1, 0);
     for (size_t b = 0; b < seq.size(); ++b) qsl[b + 1] = qsl[b] + ql[b];
     double imb = 0;
-    bad += check(seq, qsl, P, bn, &imb);
-    ++cases;
+    bad += check(seq, qsl, P, bn, 1, nullptr);
+    bad += check(seq, qsl, P, bn, 8, &imb);  // the decode planner's minimum
+    cases += 2;
     if (seq.size() == 1 && P >= 8 && seq[0] > 64 * P * bn) worst_imb = std::max(worst_imb, imb);
   };
   // edge cases
