@@ -19,6 +19,22 @@
 // mla_combine_wide_kernel (a block per (request, row, 128 dims), warps over the pieces: a request of B = 1 has
 // hundreds of pieces).
 // Masking: only tiles reaching the tree keys (>= L - n) test the tree bits; keys >= L are zero-filled and masked.
+//
+// Invariants a reviewer needs (fragment layouts and addresses: mla_decode_layout.cuh, checked on the CPU by
+// tests/csrc/decode_frag_check.cpp):
+// - Warp-private data: a warp reads only ring slots, Q staging and widening buffers it wrote itself, so
+//   cp.async.wait_group + __syncwarp order them (RAW), and the __syncwarp at the top of each tile orders the last
+//   tile's ldmatrix reads before the refill of that slot (WAR). Only the S exchange crosses warps.
+// - cp.async groups per piece: Q, then STAGES - 1 prologue tiles, then one group per tile (empty past t1). At tile
+//   t0 + i the newest STAGES - 1 groups are tiles i+1 .. i+STAGES-1, so wait_group<STAGES - 1> completes tile i (and,
+//   before the loop, Q). Tile t0 + i lives in slot i % STAGES; the prefetch of tile i + STAGES - 1 reuses the slot of
+//   tile i - 1 (at i = 0 the bf16 Q staging slot, whose fragments are already in registers).
+// - S exchange: buffer xb alternates per tile. Warps write partials, __syncthreads, read all four. A warp writes the
+//   same buffer again two tiles later, after the next tile's barrier, which every warp reaches only after reading.
+// - Every warp adds the 4 partials in warp order 0..3, so S, the row max m, alpha, P and l are bit-identical in all
+//   warps; each warp rescales and normalizes its own O columns with them, warp 0 writes the lse.
+// - Rows >= rows (padding of the 16-row block) have zero Q, so finite S, and are never stored. Requests with q_len 0
+//   or L = 0 get no piece (planner), so no block-table read and no write.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
