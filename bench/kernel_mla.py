@@ -205,7 +205,9 @@ def main() -> None:
     ap.add_argument("--rotate", type=int, default=4)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--variants", default="auto,portable",
-                    help="comma list: auto (resident-V where smem allows, e.g. sm_90) and/or portable (sm_120 config)")
+                    help="comma list of DDTREE_MLA_VARIANT values: auto (decode variant at max_q*H <= 16, else "
+                         "resident-V where smem allows, e.g. sm_90), portable (sm_120 config), decode (the 16-row "
+                         "decode kernel at every size), resident (resident-V where it fits, also at <= 16 rows)")
     ap.add_argument("--shapes", choices=sorted(SHAPE_SETS), default="issue",
                     help="issue: the compute-bound shapes of the README table; memory-bound: plain decode and short "
                          "trees at few heads, judged by their share of copy bandwidth")
@@ -223,6 +225,8 @@ def main() -> None:
     shape_baselines: dict = {shape: {} for shape in shapes}
     print(f"{'variant':>8} {'B':>3} {'L':>7} {'H':>4} {'N':>3} {'us':>9} {'TFLOP/s':>8} {'KV GB/s':>8} {'%copyBW':>7}")
     for var in args.variants.split(","):
+        if var not in ("auto", "portable", "decode", "resident"):
+            raise SystemExit(f"unknown variant {var!r}")
         os.environ["DDTREE_MLA_VARIANT"] = var
         for B, L, H, N in shapes:
             r = time_shape(B, L, H, N, args.page, args.fp8, args.rotate, args.reps,

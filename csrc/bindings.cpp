@@ -54,6 +54,7 @@ void mla_tree_verify_cuda(const at::Tensor& q_nope, const at::Tensor& q_pe, cons
   const int64_t esz = kv_cache.element_size();
   TORCH_CHECK(aligned16(kv_cache) && (kv_cache.stride(0) * esz) % 16 == 0 && (kv_cache.stride(1) * esz) % 16 == 0,
               "kv_cache rows must be 16-byte aligned");
+  TORCH_CHECK(kv_cache.stride(1) * esz < (int64_t(1) << 31), "kv_cache row stride must be below 2 GiB");
 
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2 && block_table.stride(1) == 1,
               "block_table must be int32 [B, max_blocks] with contiguous rows");
@@ -80,9 +81,20 @@ void mla_tree_verify_cuda(const at::Tensor& q_nope, const at::Tensor& q_pe, cons
   if (T == 0) return;
 
   const c10::cuda::CUDAGuard guard(q_nope.device());
-  const int sms = num_sms(q_nope.get_device());
-  const int row_tiles = static_cast<int>((max_q * H + ddtree::kBM - 1) / ddtree::kBM);
-  const int parts = std::max(1, sms / row_tiles);
+  const int device = q_nope.get_device();
+  const int sms = num_sms(device);
+  const int rows = static_cast<int>(max_q * H);  // packed rows per request, fixed per graph
+  const int variant = ddtree::mla_pick_variant(device, rows);
+  int row_tiles, parts;
+  if (variant == ddtree::kVariantDecode) {
+    // 16-row CTAs, several per SM: as many parts as CTAs that fit the GPU at once (the line planner splits the
+    // requests' tiles over them; its cost does not grow with the number of parts)
+    row_tiles = (rows + ddtree::kDecodeBM - 1) / ddtree::kDecodeBM;
+    parts = std::max(1, ddtree::mla_decode_ctas_per_sm(device, fp8) * sms / row_tiles);
+  } else {
+    row_tiles = (rows + ddtree::kBM - 1) / ddtree::kBM;
+    parts = std::max(1, sms / row_tiles);
+  }
 
   ddtree::MlaParams p{};
   p.q_nope = q_nope.data_ptr();
@@ -116,7 +128,7 @@ void mla_tree_verify_cuda(const at::Tensor& q_nope, const at::Tensor& q_pe, cons
   p.max_q = static_cast<int>(max_q);
   p.num_parts = parts;
   p.num_row_tiles = row_tiles;
-  p.variant = ddtree::mla_pick_variant(q_nope.get_device());
+  p.variant = variant;
   p.block_n = ddtree::mla_variant_block_n(p.variant);
 
   // Fixed-size scratch (depends only on B, P, max_q, H): allocation is captured once with the graph.

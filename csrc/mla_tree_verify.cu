@@ -28,6 +28,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "mla_device_utils.cuh"
 #include "mla_tree_verify.cuh"
 
 namespace ddtree {
@@ -36,7 +37,8 @@ void launch_mla_sched(const MlaParams& p, cudaStream_t stream);
 
 namespace {
 
-constexpr float kLn2 = 0.6931471805599453f;
+using namespace dev;  // mla_device_utils.cuh
+
 constexpr int kTileSteps = 17;  // 9 K chunks + 8 V chunks per tile
 
 // VRES = false: portable (<= 99 KB): a ring of STAGES chunks; V chunks are fetched again (from L2).
@@ -74,71 +76,6 @@ struct KCfg {
   static constexpr int kExWarp = kQKNT * 4 * 32 * 4;
   static_assert(4 * kExWarp <= kBfChunk && 4 * kExWarp <= kBM * kPStride * 2, "exchange halves must fit");
 };
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  const int sz = valid ? 16 : 0;  // zero-fill tokens past the end: never read them
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(sz));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// 2^x on the SFU; exact enough for softmax and maps -inf to +0.
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
-__device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
-  uint32_t r;
-  memcpy(&r, &v, 4);
-  return r;
-}
-
-// Byte offset of 16-byte unit u of row r in a [rows x 128 B] swizzled chunk.
-__device__ __forceinline__ uint32_t swz(int r, int u) { return r * 128 + ((u ^ (r & 7)) << 4); }
-
-// e4m3 -> bf16 is exact; 16 bytes in, 32 bytes out.
-__device__ __forceinline__ void fp8x16_to_bf16(const uint4 in, uint4 (&outv)[2]) {
-  const uint16_t* pairs = reinterpret_cast<const uint16_t*>(&in);
-  uint32_t w[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(pairs[i], __NV_E4M3);
-    __half2 hh;
-    memcpy(&hh, &h, 4);
-    const float2 f = __half22float2(hh);
-    w[i] = pack_bf16(f.x, f.y);
-  }
-  outv[0] = make_uint4(w[0], w[1], w[2], w[3]);
-  outv[1] = make_uint4(w[4], w[5], w[6], w[7]);
-}
 
 // SHORT: a launch of few rows per request (max_q * H <= 48 portable, <= 32 resident): warps without queries skip.
 template <int BN, int STAGES, bool FP8, bool VRES, bool SHORT>
@@ -718,19 +655,30 @@ void launch_config(const MlaParams& p, bool short_rows, cudaStream_t stream) {
 
 }  // namespace
 
-int mla_pick_variant(int device) {
-  // Resident-V needs ~226 KB of opt-in shared memory (sm_90); sm_80/86/89/120 take the portable path.
+int mla_pick_variant(int device, int rows) {
+  // Decode-shaped launches (<= 16 rows a request) take the decode variant on every GPU. Otherwise resident-V needs
+  // ~226 KB of opt-in shared memory (sm_90); sm_80/86/89/120 take the portable path.
   const char* env = std::getenv("DDTREE_MLA_VARIANT");
-  if (env != nullptr && std::strcmp(env, "portable") == 0) return kVariantPortable;
+  const bool force_portable = env != nullptr && std::strcmp(env, "portable") == 0;
+  const bool force_resident = env != nullptr && std::strcmp(env, "resident") == 0;
+  const bool force_decode = env != nullptr && std::strcmp(env, "decode") == 0;
+  if (force_portable) return kVariantPortable;
+  if (force_decode || (!force_resident && rows <= kDecodeMaxRows)) return kVariantDecode;
   int optin = 0;
   if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) optin = 0;
   const bool fits = optin >= KCfg<64, 2, false, true>::kSmem && optin >= KCfg<64, 2, true, true>::kSmem;
   return fits ? kVariantResidentV : kVariantPortable;
 }
 
-int mla_variant_block_n(int variant) { return variant == kVariantResidentV ? 64 : 32; }
+int mla_variant_block_n(int variant) {
+  return variant == kVariantDecode ? 16 : variant == kVariantResidentV ? 64 : 32;
+}
 
 void launch_mla_tree_verify(const MlaParams& p, cudaStream_t stream) {
+  if (p.variant == kVariantDecode) {  // its own planner, kernel and combine (mla_decode_verify.cu)
+    launch_mla_decode(p, stream);
+    return;
+  }
   launch_mla_sched(p, stream);
   const int rows = p.max_q * p.H;  // launch geometry, fixed under a CUDA graph
   if (p.variant == kVariantResidentV) {

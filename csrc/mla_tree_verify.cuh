@@ -22,6 +22,7 @@ struct SchedView {
   int* piece_slot;   // [MP] workspace slot for split requests, -1 when the request has a single piece
   int* req_npieces;  // [B]
   int* req_slot0;    // [B] workspace slot of the request's first piece
+  int* scratch;      // [3B] the line planner's per-request tiles, line starts and first pieces (mla_sched_plan.cuh)
   __host__ __device__ SchedView(int* base, int B, int P) {
     const int mp = B + P;
     part_begin = base;
@@ -31,8 +32,9 @@ struct SchedView {
     piece_slot = piece_t1 + mp;
     req_npieces = piece_slot + mp;
     req_slot0 = req_npieces + B;
+    scratch = req_slot0 + B;
   }
-  static __host__ __device__ int64_t size(int B, int P) { return (P + 1) + 4 * (int64_t)(B + P) + 2 * (int64_t)B; }
+  static __host__ __device__ int64_t size(int B, int P) { return (P + 1) + 4 * (int64_t)(B + P) + 5 * (int64_t)B; }
 };
 
 struct MlaParams {
@@ -64,12 +66,15 @@ struct MlaParams {
   int* sched;
   float* ws_o;    // [num_slots, max_q*H, 512] normalized fp32 partials
   float* ws_lse;  // [num_slots, max_q*H] base-2 lse of the partials
-  int variant;    // kVariantPortable or kVariantResidentV
+  int variant;    // kVariantPortable, kVariantResidentV or kVariantDecode
   int block_n;    // KV tile width of that variant (the scheduler plans in these tiles)
 };
 
 constexpr int kVariantPortable = 0;   // <= 99 KB smem, V re-read from L2: sm_80 / sm_86 / sm_89 / sm_120
 constexpr int kVariantResidentV = 1;  // ~226 KB smem, V resident, whole next tile in flight: sm_90
+constexpr int kVariantDecode = 2;     // 16-row CTAs, several per SM (mla_decode_verify.cu): every GPU, <= 16 rows
+constexpr int kDecodeMaxRows = 16;    // auto picks the decode variant when max_q * H <= this
+constexpr int kDecodeBM = 16;         // packed rows per decode CTA (row tiles = ceil(max_q * H / 16))
 
 // Number of workspace slots needed for P parts and B requests (split pieces <= 2(P-1)).
 inline int mla_num_slots(int B, int P) {
@@ -77,10 +82,17 @@ inline int mla_num_slots(int B, int P) {
   return a < b ? a : b;
 }
 
-// Picks the kernel variant for `device` from its opt-in shared memory; DDTREE_MLA_VARIANT=portable forces the
-// portable one (used to test the sm_120 configuration on an H200).
-int mla_pick_variant(int device);
+// Picks the kernel variant for a launch of `rows` = max_q * H packed rows per request on `device`: the decode
+// variant when rows <= kDecodeMaxRows, else resident-V where the opt-in shared memory allows it (sm_90), else
+// portable. DDTREE_MLA_VARIANT forces one: portable (the sm_120 configuration, testable on an H200), resident
+// (resident-V where it fits, else portable), decode (any rows; correct at every size, tuned for <= 16).
+int mla_pick_variant(int device, int rows);
 int mla_variant_block_n(int variant);
+// Decode variant: CTAs of its kernel that fit one SM of `device` (occupancy of the configuration it launches there),
+// or DDTREE_MLA_DECODE_CTAS_PER_SM when set. The binding sizes num_parts = this x SMs / row tiles.
+int mla_decode_ctas_per_sm(int device, bool fp8);
+// Decode variant launch: line planner, main kernel, wide combine (mla_decode_verify.cu).
+void launch_mla_decode(const MlaParams& p, cudaStream_t stream);
 
 // Launches scheduler, main kernel and combine on `stream`. No host synchronization, no host reads of device data.
 void launch_mla_tree_verify(const MlaParams& p, cudaStream_t stream);

@@ -121,10 +121,16 @@ def check_close(out: torch.Tensor, lse: torch.Tensor, ref_out: torch.Tensor, ref
 TREES = ["chain", "star", "random", "chain"]
 
 
-@pytest.fixture(params=["auto", "portable"], autouse=True)
+VARIANTS = ["auto", "portable", "decode", "resident"]
+
+
+@pytest.fixture(params=VARIANTS, autouse=True)
 def kernel_variant(request: pytest.FixtureRequest):
-    """Every GPU test runs twice: the device's own variant (resident-V on sm_90) and the portable <= 99 KB one
-    that sm_120 uses, so the H200 checks both."""
+    """Every GPU test runs once per DDTREE_MLA_VARIANT: auto (the device's choice: the decode variant for launches
+    of <= 16 rows a request, else resident-V on sm_90, portable elsewhere), portable (the <= 99 KB configuration
+    sm_120 uses for > 16 rows), decode (forced at every size: the same kernel over many 16-row blocks, which
+    exercises its masking and split paths on every shape) and resident (resident-V where it fits, also for <= 16
+    rows), so the H200 checks all of them."""
     old = os.environ.get("DDTREE_MLA_VARIANT")
     os.environ["DDTREE_MLA_VARIANT"] = request.param
     yield request.param
@@ -134,13 +140,20 @@ def kernel_variant(request: pytest.FixtureRequest):
         os.environ["DDTREE_MLA_VARIANT"] = old
 
 
+def same_as_auto(variant: str, rows: int) -> bool:
+    """Whether forcing ``variant`` launches the kernel auto picks for ``rows`` = max_q * H (then a test may skip)."""
+    return (variant == "decode" and rows <= 16) or (variant == "resident" and rows > 16)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("page", [16, 64])
 @pytest.mark.parametrize("H", [8, 16, 64, 128])
 @pytest.mark.parametrize("N", [1, 2, 7, 16, 33, 64])
-def test_shapes(N: int, H: int, page: int) -> None:
+def test_shapes(N: int, H: int, page: int, kernel_variant: str) -> None:
     """One varlen batch per (N, H, page) covers L in {N, 63, 64, 65, 4k+17, 32k} and chain/star/random trees
     (N=1 is the root-only tree), with q_len-0 padding requests whose block-table rows are unreadable."""
+    if same_as_auto(kernel_variant, N * H):
+        pytest.skip("same kernel as auto")
     Ls = [max(N, 1), max(N, 63), max(N, 64), max(N, 65), 4096 + 17, 32768]
     n_list = [N] * len(Ls)
     # padding requests: q_len 0, nonzero seq_len, unreadable block table
@@ -199,19 +212,22 @@ def test_chain_is_causal() -> None:
 
 
 @pytest.mark.gpu
-def test_deterministic() -> None:
-    case = make_case([64, 16], [32768, 4096 + 17], 128, 64, ["random"], seed=9)
-    o1, l1 = run_kernel(case, max_q=64)
-    o2, l2 = run_kernel(case, max_q=64)
+@pytest.mark.parametrize("H,N", [(128, 64), (8, 1), (16, 1)])
+def test_deterministic(H: int, N: int) -> None:
+    """Two runs are bit-identical (fixed-order split merge; at H*N <= 16 hundreds of split pieces a request)."""
+    case = make_case([N, N], [32768, 4096 + 17], H, 64, ["random"], seed=9)
+    o1, l1 = run_kernel(case, max_q=N)
+    o2, l2 = run_kernel(case, max_q=N)
     assert torch.equal(o1, o2) and torch.equal(l1, l2)
 
 
 @pytest.mark.gpu
-def test_cuda_graph_replay() -> None:
+@pytest.mark.parametrize("H,N", [(64, 16), (8, 1), (16, 1), (8, 2)])
+def test_cuda_graph_replay(H: int, N: int) -> None:
     """Capture once, then replay with new seq_lens, trees, block tables and queries copied into the same buffers."""
     from vllm_ddtree.ops import mla_tree_verify
 
-    H, page, N, B = 64, 64, 16, 4
+    page, B = 64, 4
     Lmax = 8192
     max_blocks = Lmax // page + 2
     first = make_case([N] * B, [Lmax] * B, H, page, ["random"], seed=100)
@@ -272,6 +288,63 @@ def test_cuda_graph_replay() -> None:
         check_close(out, lse, ref_out, ref_lse, f"graph replay {it}")
         if it == 3:
             assert torch.isnan(out[2 * N :].float()).all(), "padding rows must not be written"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [16, 64])
+@pytest.mark.parametrize("H,N", [(8, 1), (16, 1), (8, 2)])
+def test_decode_fp8(H: int, N: int, page: int) -> None:
+    """Decode-shaped launches (max_q * H <= 16) over an fp8 cache with a per-tensor scale, NaN-poisoned unused
+    pages and slots, odd lengths and q_len-0 padding."""
+    n_list = [N, N, 0, N, N, 0]
+    L_list = [max(N, 1), 65, 1000, 4096 + 17, 32768, 5]
+    case = make_case(n_list, L_list, H, page, TREES, seed=300 + H + N + page, fp8=True)
+    out, lse = run_kernel(case, kv_scale=0.75, max_q=N)
+    ref_out, ref_lse = ref_of(case, kv_scale=0.75)
+    check_close(out, lse, ref_out, ref_lse, f"decode fp8 H={H} N={N} page={page}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("H,N", [(8, 1), (16, 1), (8, 2)])
+def test_decode_long_context(H: int, N: int, fp8: bool) -> None:
+    """B = 1 at 128k + 5 keys: one request cut into hundreds of split pieces, merged by the combine."""
+    case = make_case([N, 0], [131072 + 5, 9], H, 64, ["random"], seed=400 + H + N, fp8=fp8)
+    out, lse = run_kernel(case, max_q=N)
+    ref_out, ref_lse = ref_of(case)
+    check_close(out, lse, ref_out, ref_lse, f"decode 128k H={H} N={N} fp8={fp8}")
+
+
+@pytest.mark.gpu
+def test_decode_varlen_and_fp16() -> None:
+    """Mixed q_len 0 / 1 / 2 at H = 8 (max_q given and left to its default), and fp16 queries and output."""
+    n_list = [1, 0, 2, 1, 0, 2, 2, 1]
+    L_list = [1, 7, 2, 700, 9, 4096 + 17, 65, 16]
+    case = make_case(n_list, L_list, 8, 16, ["random", "chain"], seed=17)
+    ref_out, ref_lse = ref_of(case)
+    for mq in (2, None):
+        out, lse = run_kernel(case, max_q=mq)
+        check_close(out, lse, ref_out, ref_lse, f"decode varlen max_q={mq}")
+    case = make_case([1, 1, 0], [5000, 77, 3], 16, 32, ["random"], seed=19, q_dtype=torch.float16)
+    out, lse = run_kernel(case, out_dtype=torch.float16, max_q=1)
+    ref_out, ref_lse = ref_of(case)
+    check_close(out, lse, ref_out, ref_lse, "decode fp16 page32")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ctas", ["1", "7"])
+def test_decode_parts_sizing(ctas: str, kernel_variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DDTREE_MLA_DECODE_CTAS_PER_SM changes the number of split parts (1: one part per SM; 7: tiny pieces of a
+    few 16-key tiles): the result must not depend on it."""
+    if kernel_variant not in ("auto", "decode"):
+        pytest.skip("decode variant only")
+    monkeypatch.setenv("DDTREE_MLA_DECODE_CTAS_PER_SM", ctas)
+    n_list = [1, 2, 0, 1, 2]
+    L_list = [32768, 4096 + 17, 11, 65, 2]
+    case = make_case(n_list, L_list, 8, 64, ["random"], seed=23)
+    out, lse = run_kernel(case, max_q=2)
+    ref_out, ref_lse = ref_of(case)
+    check_close(out, lse, ref_out, ref_lse, f"decode ctas/SM={ctas}")
 
 
 def test_reference_cpu_tiny() -> None:

@@ -1,0 +1,545 @@
+// MLA tree-verify attention, decode-shaped variant (kVariantDecode): launches of <= 16 packed rows per request
+// (plain decode and short trees at few heads), on every GPU (sm_80 / sm_90 / sm_120, mma.sync + ldmatrix + cp.async).
+//
+// Why it exists: those shapes are memory-bound, and the 64-row kernels read their KV at only 21-50 % of the copy
+// rate: O = 64 x 512 fp32 in registers allows one 256-thread CTA per SM, and each tile is a chain of
+// barrier-separated ring steps, so the SM mostly waits. Here a CTA is 4 warps owning ONE 16-row block (one m16
+// tile) of one request, several CTAs share an SM, and a KV tile costs one block barrier:
+// - warp w owns 144 of the 576 dims (latent 128w.., rope 512+16w..; mla_decode_layout.cuh). Per 16-key tile it
+//   loads only its dims of the 16 keys (cp.async ring of STAGES tiles, warp-private slots), keeps its Q fragments
+//   (16 rows x 144 dims, 36 registers) for the whole piece, and computes a partial S = Q K^T over its dims;
+// - the 4 partial S (16 x 16 fp32) are summed through a double-buffered shared array: the tile's only
+//   __syncthreads. Every warp adds them in the same order, so all warps hold the same S, row max, row sum and P
+//   (computed redundantly: 8 values a thread), and P goes from the S accumulators straight into the A fragment
+//   of PV (no P in shared memory);
+// - PV: warp w computes O[16 x 128] for its own latent dims (64 fp32 registers), from the V bytes it loaded itself.
+// fp8 caches: each warp widens its own raw slice to bf16 (warp-local, no barrier).
+// Split-KV: pieces (request, tile range) from the parallel line planner (mla_sched_line_kernel) over P = CTAs per
+// SM x SMs parts; split requests write normalized fp32 partials + base-2 lse into the workspace, merged by
+// mla_combine_wide_kernel (a block per (request, row, 128 dims), warps over the pieces: a request of B = 1 has
+// hundreds of pieces).
+// Masking: only tiles reaching the tree keys (>= L - n) test the tree bits; keys >= L are zero-filled and masked.
+//
+// Invariants a reviewer needs (fragment layouts and addresses: mla_decode_layout.cuh, checked on the CPU by
+// tests/csrc/decode_frag_check.cpp):
+// - Warp-private data: a warp reads only ring slots, Q staging and widening buffers it wrote itself, so
+//   cp.async.wait_group + __syncwarp order them (RAW), and the __syncwarp at the top of each tile orders the last
+//   tile's ldmatrix reads before the refill of that slot (WAR). Only the S exchange crosses warps.
+// - cp.async groups per piece: Q, then STAGES - 1 prologue tiles, then one group per tile (empty past t1). At tile
+//   t0 + i the newest STAGES - 1 groups are tiles i+1 .. i+STAGES-1, so wait_group<STAGES - 1> completes tile i (and,
+//   before the loop, Q). Tile t0 + i lives in slot i % STAGES; the prefetch of tile i + STAGES - 1 reuses the slot of
+//   tile i - 1 (at i = 0 the bf16 Q staging slot, whose fragments are already in registers).
+// - S exchange: buffer xb alternates per tile. Warps write partials, __syncthreads, read all four. A warp writes the
+//   same buffer again two tiles later, after the next tile's barrier, which every warp reaches only after reading.
+// - Every warp adds the 4 partials in warp order 0..3, so S, the row max m, alpha, P and l are bit-identical in all
+//   warps; each warp rescales and normalizes its own O columns with them, warp 0 writes the lse.
+// - Rows >= rows (padding of the 16-row block) have zero Q, so finite S, and are never stored. Requests with q_len 0
+//   or L = 0 get no piece (planner), so no block-table read and no write.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+
+#include "mla_decode_layout.cuh"
+#include "mla_device_utils.cuh"
+#include "mla_tree_verify.cuh"
+
+namespace ddtree {
+
+void launch_mla_sched_line(const MlaParams& p, cudaStream_t stream);
+
+namespace {
+
+using namespace dev;
+
+constexpr int kDecThreads = 128;
+constexpr int kDecMinBlocks = 3;  // __launch_bounds__: <= 168 registers, so 3 CTAs fit an SM's 64K registers
+
+template <bool FP8, int STAGES>
+struct DecCfg {
+  static constexpr int kSlot = FP8 ? dec::kSliceFp8 : dec::kSliceBf;  // one warp's part of one ring stage
+  static constexpr int kOffRing = 0;                                   // [warp][stage] slots
+  static constexpr int kOffConv = kOffRing + dec::kWarps * STAGES * kSlot;  // fp8: [warp] widened bf16 slice
+  static constexpr int kOffX = kOffConv + (FP8 ? dec::kWarps * dec::kSliceBf : 0);
+  static constexpr int kXBuf = dec::kWarps * 32 * 8 * 4;  // one S exchange buffer: [warp][lane][8] fp32
+  static constexpr int kSmem = kOffX + 2 * kXBuf;
+  static_assert(STAGES >= 2, "the ring needs a stage in flight while one is computed");
+  static_assert(kSmem <= 101376, "decode variant must fit sm_120's 99 KB per block");
+  static_assert(kOffX % 16 == 0 && kSlot % 128 == 0, "16-byte aligned buffers");
+  static constexpr int kLoadIts = FP8 ? 5 : 9;  // cp.async units per lane per tile (fp8: 4.5)
+};
+
+// Ring depths: "deep" where two CTAs of it still fit an SM (sm_80 / sm_90: 3 CTAs on sm_90), "shallow" (2 stages,
+// two ~45 KB CTAs per SM) on 100 KB-per-SM GPUs (sm_86 / sm_89 / sm_120).
+constexpr int kDeepStagesBf16 = 3;  // 63,488 B
+constexpr int kDeepStagesFp8 = 5;   // 72,704 B
+constexpr int kShallowStages = 2;   // 45,056 B (bf16 and fp8)
+
+template <bool FP8, int STAGES>
+__global__ void __launch_bounds__(kDecThreads, kDecMinBlocks) mla_decode_verify_kernel(const MlaParams p) {
+  using C = DecCfg<FP8, STAGES>;
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, q4 = lane & 3;
+  const int rt = blockIdx.x, part = blockIdx.y;
+
+  const uint32_t sbase = smem_u32(smem);
+  const uint32_t ring = sbase + C::kOffRing + warp * STAGES * C::kSlot;  // this warp's STAGES slots
+  const uint32_t conv = sbase + C::kOffConv + warp * dec::kSliceBf;     // fp8: this warp's widened slice
+  // Q staging: the warp's last ring slot (bf16; first refilled by the first tile's prefetch, after Q is in
+  // registers) or its widening buffer (fp8; first written by the first tile's widening, same ordering).
+  const uint32_t qstage = FP8 ? conv : ring + (STAGES - 1) * C::kSlot;
+  float* xs = reinterpret_cast<float*>(smem + C::kOffX);
+
+  SchedView sv(p.sched, p.B, p.num_parts);
+  const int pc_begin = sv.part_begin[part], pc_end = sv.part_begin[part + 1];
+  const int page_mask = (1 << p.page_log2) - 1;
+  const bool big_pages = p.page_log2 >= 4;  // a 16-key tile (16-aligned) then lies in one page
+  const int row_bytes = static_cast<int>(p.kv_row_stride);  // < 2^31 (checked by the binding)
+  int xb = 0;  // S exchange buffer; alternates every tile, across pieces too (CTA-uniform)
+
+  for (int pc = pc_begin; pc < pc_end; ++pc) {
+    const int b = sv.piece_req[pc];
+    const int q0 = p.qsl[b];
+    const int n = p.qsl[b + 1] - q0;
+    const int rows = n * p.H;
+    if (rt * dec::kRows >= rows) continue;  // CTA-uniform: no row of this block in the request
+    const int L = p.seq_lens[b];
+    const int t0 = sv.piece_t0[pc], t1 = sv.piece_t1[pc];
+    const int slot = sv.piece_slot[pc];
+    const int tree_start = L - n;
+    const int* bt = p.block_table + (int64_t)b * p.bt_stride;
+
+    // this warp's dims of the 16 keys of `tile` -> ring slot at `dst` (keys >= L zero-filled, block table untouched)
+    auto unit_of = [&](int i, int& r, uint32_t& off, int& col) {  // col: byte column in the cache row
+      int dim;
+      if constexpr (FP8) {
+        uint32_t d0, d1;
+        dec::fp8_unit(i, warp, r, off, dim, d0, d1);
+        col = dim;
+      } else {
+        dec::bf16_unit(i, warp, r, off, dim);
+        col = 2 * dim;
+      }
+    };
+    auto issue = [&](int tile, uint32_t dst) {
+      const int key0 = tile * dec::kBN;  // < L: tile < t1 <= ceil(L / 16)
+      const int nvalid = L - key0;       // rows r < nvalid of the tile are keys < L
+      if (big_pages) {
+        // One page holds the whole tile (16-aligned, >= 16 tokens a page): one block-table read; rows past L are
+        // still inside that page, so their address is formed unconditionally (src-size 0 reads nothing).
+        const uint8_t* base = p.kv + (int64_t)bt[key0 >> p.page_log2] * p.kv_page_stride +
+                              (int64_t)(key0 & page_mask) * p.kv_row_stride;
+#pragma unroll
+        for (int it = 0; it < C::kLoadIts; ++it) {
+          const int i = lane + 32 * it;
+          if (FP8 && i >= dec::kUnitsFp8) continue;
+          int r, col;
+          uint32_t off;
+          unit_of(i, r, off, col);
+          cp_async16(dst + off, base + (r * row_bytes + col), r < nvalid);
+        }
+      } else {  // pages of fewer than 16 tokens: a block-table read per key
+#pragma unroll
+        for (int it = 0; it < C::kLoadIts; ++it) {
+          const int i = lane + 32 * it;
+          if (FP8 && i >= dec::kUnitsFp8) continue;
+          int r, col;
+          uint32_t off;
+          unit_of(i, r, off, col);
+          const int key = key0 + r;
+          const bool valid = r < nvalid;
+          const uint8_t* src = p.kv;
+          if (valid)
+            src += (int64_t)bt[key >> p.page_log2] * p.kv_page_stride + (int64_t)(key & page_mask) * p.kv_row_stride +
+                   col;
+          cp_async16(dst + off, src, valid);
+        }
+      }
+    };
+
+    __syncwarp();  // every lane is done with this warp's slots (previous piece)
+    // ---- Q: rows rt*16 .. +15 of the request (zero past `rows`), this warp's 144 dims -> qstage (bf16 slice)
+#pragma unroll
+    for (int it = 0; it < 9; ++it) {
+      int r, dim;
+      uint32_t off;
+      dec::bf16_unit(lane + 32 * it, warp, r, off, dim);
+      const int row = rt * dec::kRows + r;
+      const bool valid = row < rows;
+      const int node = valid ? row / p.H : 0, head = valid ? row % p.H : 0;
+      const int64_t tok = q0 + node;
+      const uint8_t* src =
+          dim < kDV ? reinterpret_cast<const uint8_t*>(p.q_nope) + (tok * p.q_nope_s0 + head * p.q_nope_s1 + dim) * 2
+                    : reinterpret_cast<const uint8_t*>(p.q_pe) +
+                          (tok * p.q_pe_s0 + head * p.q_pe_s1 + (dim - kDV)) * 2;
+      if (!p.q_fp16) {
+        cp_async16(qstage + off, valid ? src : reinterpret_cast<const uint8_t*>(p.q_nope), valid);
+      } else {
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (valid) v = half8_to_bf16(*reinterpret_cast<const uint4*>(src));
+        sts128(qstage + off, v);
+      }
+    }
+    cp_async_commit();  // group: Q
+    // ---- prologue: tiles t0 .. t0 + STAGES - 2 into slots 0 .. STAGES - 2, one group each (empty past t1)
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+      if (t0 + s < t1) issue(t0 + s, ring + s * C::kSlot);
+      cp_async_commit();
+    }
+    cp_async_wait<STAGES - 1>();  // Q landed (the STAGES - 1 tile groups may still be in flight)
+    __syncwarp();
+    uint32_t qa[dec::kKSteps][4];  // A fragments of Q over this warp's 9 k-steps, for the whole piece
+#pragma unroll
+    for (int kk = 0; kk < dec::kKSteps; ++kk) ldsm_x4(qa[kk], qstage + dec::qa_addr(lane, kk));
+
+    // softmax state of rows g (index 0) and g + 8 (index 1), identical in all 4 warps; l: this lane's columns only
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    float o[dec::kVTiles][4];  // O[rows g / g+8][dims o_dim(warp, j, q4, e)]
+#pragma unroll
+    for (int j = 0; j < dec::kVTiles; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[j][e] = 0.f;
+
+    int rd = 0;  // ring slot of the tile being computed: tile t0 + i lives in slot i % STAGES
+    for (int tile = t0; tile < t1; ++tile) {
+      __syncwarp();  // every lane is done reading the slot refilled next (tile - 1's; at t0: Q's staging)
+      {
+        const int nt = tile + STAGES - 1;
+        const int ws = rd == 0 ? STAGES - 1 : rd - 1;  // (i + STAGES - 1) % STAGES
+        if (nt < t1) issue(nt, ring + ws * C::kSlot);
+        cp_async_commit();
+      }
+      cp_async_wait<STAGES - 1>();  // this tile's group is complete (only the STAGES - 1 newer ones pending)
+      __syncwarp();                 // ... for every lane's copies
+      uint32_t kvb = ring + rd * C::kSlot;
+      rd = rd + 1 == STAGES ? 0 : rd + 1;
+      if constexpr (FP8) {  // widen this warp's raw slice into its bf16 slice
+#pragma unroll
+        for (int it = 0; it < C::kLoadIts; ++it) {
+          const int i = lane + 32 * it;
+          if (i >= dec::kUnitsFp8) continue;
+          int r, dim;
+          uint32_t off, d0, d1;
+          dec::fp8_unit(i, warp, r, off, dim, d0, d1);
+          uint4 w[2];
+          fp8x16_to_bf16(lds128(kvb + off), w);
+          sts128(conv + d0, w[0]);
+          sts128(conv + d1, w[1]);
+        }
+        __syncwarp();
+        kvb = conv;
+      }
+
+      // ---- partial S[16 rows x 16 keys] over this warp's 144 dims
+      float s[2][4];
+#pragma unroll
+      for (int nt2 = 0; nt2 < 2; ++nt2)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nt2][e] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < dec::kKSteps; ++kk) {
+        uint32_t bq[4];
+        ldsm_x4(bq, kvb + dec::kb_addr(lane, kk));
+        mma_bf16(s[0], qa[kk], bq[0], bq[1]);  // keys 0-7
+        mma_bf16(s[1], qa[kk], bq[2], bq[3]);  // keys 8-15
+      }
+
+      // ---- the 4 partial sums -> full S in every warp (same order everywhere: bit-identical across warps)
+      {
+        float4* mine = reinterpret_cast<float4*>(xs + dec::xs_off(xb, warp, lane));
+        mine[0] = make_float4(s[0][0], s[0][1], s[0][2], s[0][3]);
+        mine[1] = make_float4(s[1][0], s[1][1], s[1][2], s[1][3]);
+      }
+      __syncthreads();  // the tile's only block barrier (the other buffer is rewritten only after the next one)
+#pragma unroll
+      for (int nt2 = 0; nt2 < 2; ++nt2)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nt2][e] = 0.f;
+#pragma unroll
+      for (int w = 0; w < dec::kWarps; ++w) {
+        const float4* src = reinterpret_cast<const float4*>(xs + dec::xs_off(xb, w, lane));
+        const float4 a = src[0], c = src[1];
+        s[0][0] += a.x;
+        s[0][1] += a.y;
+        s[0][2] += a.z;
+        s[0][3] += a.w;
+        s[1][0] += c.x;
+        s[1][1] += c.y;
+        s[1][2] += c.z;
+        s[1][3] += c.w;
+      }
+      xb ^= 1;
+
+      // ---- online softmax (log2 domain) of rows g, g + 8 over keys tile*16 + 8*nt2 + 2*q4 + (e & 1)
+      const bool masked = (tile + 1) * dec::kBN > tree_start;  // only tiles reaching the tree keys (or L)
+      uint64_t bits[2] = {~0ull, ~0ull};
+      if (masked) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = rt * dec::kRows + g + 8 * h;
+          if (row < rows) bits[h] = static_cast<uint64_t>(p.tree_bits[q0 + row / p.H]);
+        }
+      }
+      float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int nt2 = 0; nt2 < 2; ++nt2)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float v = s[nt2][e] * p.scale_log2;
+          if (masked) {
+            const int key = tile * dec::kBN + nt2 * 8 + 2 * q4 + (e & 1);
+            const int tk = key - tree_start;
+            const bool vis = key < L && (tk < 0 || ((bits[e >> 1] >> (tk & 63)) & 1ull));
+            v = vis ? v : -INFINITY;
+          }
+          s[nt2][e] = v;
+          mx[e >> 1] = fmaxf(mx[e >> 1], v);
+        }
+      float muse[2], alpha[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+        const float mnew = fmaxf(m[h], mx[h]);
+        muse[h] = mnew == -INFINITY ? 0.f : mnew;  // fully masked so far: keep exp2 finite
+        alpha[h] = fast_exp2(m[h] - muse[h]);
+        m[h] = mnew;
+        l[h] *= alpha[h];
+      }
+      if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {  // the max moved for some row
+#pragma unroll
+        for (int j = 0; j < dec::kVTiles; ++j) {
+          o[j][0] *= alpha[0];
+          o[j][1] *= alpha[0];
+          o[j][2] *= alpha[1];
+          o[j][3] *= alpha[1];
+        }
+      }
+      uint32_t pa[4];  // P as the A operand of PV: k = the tile's 16 keys (C layout of S -> A layout)
+      {
+        const float p00 = fast_exp2(s[0][0] - muse[0]), p01 = fast_exp2(s[0][1] - muse[0]);
+        const float p02 = fast_exp2(s[0][2] - muse[1]), p03 = fast_exp2(s[0][3] - muse[1]);
+        const float p10 = fast_exp2(s[1][0] - muse[0]), p11 = fast_exp2(s[1][1] - muse[0]);
+        const float p12 = fast_exp2(s[1][2] - muse[1]), p13 = fast_exp2(s[1][3] - muse[1]);
+        l[0] += (p00 + p01) + (p10 + p11);
+        l[1] += (p02 + p03) + (p12 + p13);
+        pa[0] = pack_bf16(p00, p01);  // row g,     keys 2q4, 2q4+1
+        pa[1] = pack_bf16(p02, p03);  // row g + 8, keys 2q4, 2q4+1
+        pa[2] = pack_bf16(p10, p11);  // row g,     keys 8+2q4, 8+2q4+1
+        pa[3] = pack_bf16(p12, p13);  // row g + 8, keys 8+2q4, 8+2q4+1
+      }
+
+      // ---- O[16 x this warp's 128 latent dims] += P V
+#pragma unroll
+      for (int jj = 0; jj < dec::kVTiles / 2; ++jj) {
+        uint32_t bv[4];
+        ldsm_x4_t(bv, kvb + dec::vb_addr(lane, jj));
+        mma_bf16(o[2 * jj], pa, bv[0], bv[1]);
+        mma_bf16(o[2 * jj + 1], pa, bv[2], bv[3]);
+      }
+    }
+
+    // ---- epilogue: full row sums, then each warp writes its 128 dims; warp 0 writes the lse
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+      l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+    }
+    const int rstride = p.max_q * p.H;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = rt * dec::kRows + g + 8 * h;
+      if (row >= rows) continue;
+      const float lt = l[h];
+      const float inv = lt > 0.f ? p.kv_scale / lt : 0.f;
+      const int node = row / p.H, head = row % p.H;
+      const int64_t tok = q0 + node;
+      if (warp == 0 && q4 == 0) {
+        const float lse2 = lt > 0.f ? m[h] + log2f(lt) : -INFINITY;
+        if (slot < 0) {
+          p.lse[tok * p.lse_s0 + head * p.lse_s1] = lse2 * kLn2;
+        } else {
+          p.ws_lse[(int64_t)slot * rstride + row] = lse2;
+        }
+      }
+      if (slot < 0) {
+        char* orow = reinterpret_cast<char*>(p.out) + (tok * p.out_s0 + head * p.out_s1) * 2;
+#pragma unroll
+        for (int j = 0; j < dec::kVTiles; ++j) {
+          const int d = dec::o_dim(warp, j, q4, 0);
+          const float x0 = o[j][2 * h] * inv, x1 = o[j][2 * h + 1] * inv;
+          uint32_t w;
+          if (p.out_fp16) {
+            __half2 hv = __floats2half2_rn(x0, x1);
+            memcpy(&w, &hv, 4);
+          } else {
+            w = pack_bf16(x0, x1);
+          }
+          *reinterpret_cast<uint32_t*>(orow + d * 2) = w;
+        }
+      } else {
+        float* wrow = p.ws_o + ((int64_t)slot * rstride + row) * kDV;
+#pragma unroll
+        for (int j = 0; j < dec::kVTiles; ++j) {
+          const int d = dec::o_dim(warp, j, q4, 0);
+          *reinterpret_cast<float2*>(wrow + d) = make_float2(o[j][2 * h] * inv, o[j][2 * h + 1] * inv);
+        }
+      }
+    }
+  }
+}
+
+// Merges the split partials of one (request, row, 128-dim slice): every warp computes the same log-sum-exp
+// weights over all pieces, warp w accumulates pieces w, w + 8, ... (lane: 4 dims), then warp 0 adds the 8 warp
+// sums in order. Fixed order throughout: deterministic. Blocks of rows without a split request exit at once.
+__global__ void __launch_bounds__(256) mla_combine_wide_kernel(const MlaParams p) {
+  const int b = blockIdx.x, row = blockIdx.y, slice = blockIdx.z;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int q0 = p.qsl[b];
+  const int n = p.qsl[b + 1] - q0;
+  if (row >= n * p.H) return;  // block-uniform
+  SchedView sv(p.sched, p.B, p.num_parts);
+  const int np = sv.req_npieces[b];
+  if (np <= 1) return;  // written directly by the main kernel (or no work)
+  const int slot0 = sv.req_slot0[b];
+  const int rstride = p.max_q * p.H;
+  float mx = -INFINITY;
+  for (int i = lane; i < np; i += 32) mx = fmaxf(mx, p.ws_lse[(int64_t)(slot0 + i) * rstride + row]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  const float mu = mx == -INFINITY ? 0.f : mx;
+  float sum = 0.f;
+  for (int i = lane; i < np; i += 32) sum += exp2f(p.ws_lse[(int64_t)(slot0 + i) * rstride + row] - mu);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 4
+  for (int i = warp; i < np; i += 8) {
+    const int64_t base = (int64_t)(slot0 + i) * rstride + row;
+    const float w = exp2f(p.ws_lse[base] - mu) * inv;
+    const float4 v = reinterpret_cast<const float4*>(p.ws_o + base * kDV + slice * 128)[lane];
+    acc.x += w * v.x;
+    acc.y += w * v.y;
+    acc.z += w * v.z;
+    acc.w += w * v.w;
+  }
+  __shared__ float4 red[8][32];
+  red[warp][lane] = acc;
+  __syncthreads();
+  if (warp != 0) return;
+  float4 t = red[0][lane];
+#pragma unroll
+  for (int w = 1; w < 8; ++w) {
+    const float4 v = red[w][lane];
+    t.x += v.x;
+    t.y += v.y;
+    t.z += v.z;
+    t.w += v.w;
+  }
+  const int node = row / p.H, head = row % p.H;
+  const int64_t tok = q0 + node;
+  char* orow = reinterpret_cast<char*>(p.out) + (tok * p.out_s0 + head * p.out_s1) * 2;
+  const int d = slice * 128 + lane * 4;
+  uint32_t w0, w1;
+  if (p.out_fp16) {
+    __half2 h0 = __floats2half2_rn(t.x, t.y), h1 = __floats2half2_rn(t.z, t.w);
+    memcpy(&w0, &h0, 4);
+    memcpy(&w1, &h1, 4);
+  } else {
+    w0 = pack_bf16(t.x, t.y);
+    w1 = pack_bf16(t.z, t.w);
+  }
+  // two 4-byte stores: the binding guarantees 4-byte aligned output rows (even strides), not 8
+  *reinterpret_cast<uint32_t*>(orow + d * 2) = w0;
+  *reinterpret_cast<uint32_t*>(orow + d * 2 + 4) = w1;
+  if (slice == 0 && lane == 0)
+    p.lse[tok * p.lse_s0 + head * p.lse_s1] = sum > 0.f ? (mu + log2f(sum)) * kLn2 : -INFINITY;
+}
+
+// Sets the kernel's dynamic shared memory limit once per device (not a stream operation: fine during capture,
+// but the first call should come before capture, as for the other variants).
+template <bool FP8, int STAGES>
+void ensure_smem_attr(int device) {
+  static unsigned long long done = 0;  // bit per device
+  const unsigned long long bit = 1ull << (device & 63);
+  if (done & bit) return;
+  cudaFuncSetAttribute(mla_decode_verify_kernel<FP8, STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                       DecCfg<FP8, STAGES>::kSmem);
+  done |= bit;
+}
+
+int device_attr(cudaDeviceAttr a, int device) {
+  int v = 0;
+  if (cudaDeviceGetAttribute(&v, a, device) != cudaSuccess) v = 0;
+  return v;
+}
+
+// Deep ring where two CTAs of it fit an SM, else the shallow one. Cached per device.
+bool decode_deep(int device, bool fp8) {
+  static int cache[64][2] = {};  // 0 unknown, 1 shallow, 2 deep
+  int& c = cache[device & 63][fp8 ? 1 : 0];
+  if (c == 0) {
+    const int per_sm = device_attr(cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
+    const int optin = device_attr(cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    const int need = fp8 ? DecCfg<true, kDeepStagesFp8>::kSmem : DecCfg<false, kDeepStagesBf16>::kSmem;
+    c = (optin >= need && per_sm >= 2 * (need + 1024)) ? 2 : 1;
+  }
+  return c == 2;
+}
+
+template <bool FP8, int STAGES>
+int occupancy(int device) {
+  ensure_smem_attr<FP8, STAGES>(device);
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, mla_decode_verify_kernel<FP8, STAGES>, kDecThreads,
+                                                    DecCfg<FP8, STAGES>::kSmem) != cudaSuccess)
+    n = 0;
+  return n;
+}
+
+template <bool FP8, int STAGES>
+void launch_decode_main(const MlaParams& p, int device, cudaStream_t stream) {
+  ensure_smem_attr<FP8, STAGES>(device);
+  dim3 grid(p.num_row_tiles, p.num_parts);
+  mla_decode_verify_kernel<FP8, STAGES><<<grid, kDecThreads, DecCfg<FP8, STAGES>::kSmem, stream>>>(p);
+}
+
+}  // namespace
+
+int mla_decode_ctas_per_sm(int device, bool fp8) {
+  const char* env = std::getenv("DDTREE_MLA_DECODE_CTAS_PER_SM");  // tuning knob (host-known, fixed per graph)
+  if (env != nullptr && std::atoi(env) > 0) return std::atoi(env);
+  static int cache[64][2] = {};
+  int& c = cache[device & 63][fp8 ? 1 : 0];
+  if (c == 0) {
+    const bool deep = decode_deep(device, fp8);
+    int n;
+    if (fp8) n = deep ? occupancy<true, kDeepStagesFp8>(device) : occupancy<true, kShallowStages>(device);
+    else n = deep ? occupancy<false, kDeepStagesBf16>(device) : occupancy<false, kShallowStages>(device);
+    c = n > 0 ? n : 1;
+  }
+  return c;
+}
+
+void launch_mla_decode(const MlaParams& p, cudaStream_t stream) {
+  int device = 0;
+  cudaGetDevice(&device);
+  launch_mla_sched_line(p, stream);
+  const bool deep = decode_deep(device, p.kv_fp8);
+  if (p.kv_fp8) {
+    if (deep) launch_decode_main<true, kDeepStagesFp8>(p, device, stream);
+    else launch_decode_main<true, kShallowStages>(p, device, stream);
+  } else {
+    if (deep) launch_decode_main<false, kDeepStagesBf16>(p, device, stream);
+    else launch_decode_main<false, kShallowStages>(p, device, stream);
+  }
+  dim3 cgrid(p.B, p.max_q * p.H, kDV / 128);
+  mla_combine_wide_kernel<<<cgrid, 256, 0, stream>>>(p);
+}
+
+}  // namespace ddtree
