@@ -205,9 +205,9 @@ def main() -> None:
     ap.add_argument("--rotate", type=int, default=4)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--variants", default="auto,portable",
-                    help="comma list of DDTREE_MLA_VARIANT values: auto (decode variant at max_q*H <= 16, else "
-                         "resident-V where smem allows, e.g. sm_90), portable (sm_120 config), decode (the 16-row "
-                         "decode kernel at every size), resident (resident-V where it fits, also at <= 16 rows)")
+                    help="comma list of DDTREE_MLA_VARIANT values: auto (resident-V where smem allows, e.g. sm_90, "
+                         "else portable), portable (sm_120 config), decode (the 16-row decode kernel, built for "
+                         "max_q*H <= 16, at every size)")
     ap.add_argument("--shapes", choices=sorted(SHAPE_SETS), default="issue",
                     help="issue: the compute-bound shapes of the README table; memory-bound: plain decode and short "
                          "trees at few heads, judged by their share of copy bandwidth")
@@ -225,7 +225,7 @@ def main() -> None:
     shape_baselines: dict = {shape: {} for shape in shapes}
     print(f"{'variant':>8} {'B':>3} {'L':>7} {'H':>4} {'N':>3} {'us':>9} {'TFLOP/s':>8} {'KV GB/s':>8} {'%copyBW':>7}")
     for var in args.variants.split(","):
-        if var not in ("auto", "portable", "decode", "resident"):
+        if var not in ("auto", "portable", "decode"):
             raise SystemExit(f"unknown variant {var!r}")
         os.environ["DDTREE_MLA_VARIANT"] = var
         for B, L, H, N in shapes:

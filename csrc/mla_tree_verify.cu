@@ -655,15 +655,12 @@ void launch_config(const MlaParams& p, bool short_rows, cudaStream_t stream) {
 
 }  // namespace
 
-int mla_pick_variant(int device, int rows) {
-  // Decode-shaped launches (<= 16 rows a request) take the decode variant on every GPU. Otherwise resident-V needs
-  // ~226 KB of opt-in shared memory (sm_90); sm_80/86/89/120 take the portable path.
+int mla_pick_variant(int device) {
+  // Resident-V needs ~226 KB of opt-in shared memory (sm_90); sm_80/86/89/120 take the portable path. The decode
+  // variant (built for launches of <= 16 rows a request) runs only when forced until it has passed the GPU tests.
   const char* env = std::getenv("DDTREE_MLA_VARIANT");
-  const bool force_portable = env != nullptr && std::strcmp(env, "portable") == 0;
-  const bool force_resident = env != nullptr && std::strcmp(env, "resident") == 0;
-  const bool force_decode = env != nullptr && std::strcmp(env, "decode") == 0;
-  if (force_portable) return kVariantPortable;
-  if (force_decode || (!force_resident && rows <= kDecodeMaxRows)) return kVariantDecode;
+  if (env != nullptr && std::strcmp(env, "portable") == 0) return kVariantPortable;
+  if (env != nullptr && std::strcmp(env, "decode") == 0) return kVariantDecode;
   int optin = 0;
   if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) optin = 0;
   const bool fits = optin >= KCfg<64, 2, false, true>::kSmem && optin >= KCfg<64, 2, true, true>::kSmem;

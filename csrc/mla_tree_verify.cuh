@@ -73,7 +73,6 @@ struct MlaParams {
 constexpr int kVariantPortable = 0;   // <= 99 KB smem, V re-read from L2: sm_80 / sm_86 / sm_89 / sm_120
 constexpr int kVariantResidentV = 1;  // ~226 KB smem, V resident, whole next tile in flight: sm_90
 constexpr int kVariantDecode = 2;     // 16-row CTAs, several per SM (mla_decode_verify.cu): every GPU, <= 16 rows
-constexpr int kDecodeMaxRows = 16;    // auto picks the decode variant when max_q * H <= this
 constexpr int kDecodeBM = 16;         // packed rows per decode CTA (row tiles = ceil(max_q * H / 16))
 
 // Number of workspace slots needed for P parts and B requests (split pieces <= 2(P-1)).
@@ -82,11 +81,10 @@ inline int mla_num_slots(int B, int P) {
   return a < b ? a : b;
 }
 
-// Picks the kernel variant for a launch of `rows` = max_q * H packed rows per request on `device`: the decode
-// variant when rows <= kDecodeMaxRows, else resident-V where the opt-in shared memory allows it (sm_90), else
-// portable. DDTREE_MLA_VARIANT forces one: portable (the sm_120 configuration, testable on an H200), resident
-// (resident-V where it fits, else portable), decode (any rows; correct at every size, tuned for <= 16).
-int mla_pick_variant(int device, int rows);
+// Picks the kernel variant for `device`: resident-V where the opt-in shared memory allows it (sm_90), else portable.
+// DDTREE_MLA_VARIANT forces one: portable (the sm_120 configuration, testable on an H200) or decode (any rows; built
+// for launches of <= 16 rows a request, where auto is to pick it once it has passed the GPU tests).
+int mla_pick_variant(int device);
 int mla_variant_block_n(int variant);
 // Decode variant: CTAs of its kernel that fit one SM of `device` (occupancy of the configuration it launches there),
 // or DDTREE_MLA_DECODE_CTAS_PER_SM when set. The binding sizes num_parts = this x SMs / row tiles.

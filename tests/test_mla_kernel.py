@@ -121,16 +121,15 @@ def check_close(out: torch.Tensor, lse: torch.Tensor, ref_out: torch.Tensor, ref
 TREES = ["chain", "star", "random", "chain"]
 
 
-VARIANTS = ["auto", "portable", "decode", "resident"]
+VARIANTS = ["auto", "portable", "decode"]
 
 
 @pytest.fixture(params=VARIANTS, autouse=True)
 def kernel_variant(request: pytest.FixtureRequest):
-    """Every GPU test runs once per DDTREE_MLA_VARIANT: auto (the device's choice: the decode variant for launches
-    of <= 16 rows a request, else resident-V on sm_90, portable elsewhere), portable (the <= 99 KB configuration
-    sm_120 uses for > 16 rows), decode (forced at every size: the same kernel over many 16-row blocks, which
-    exercises its masking and split paths on every shape) and resident (resident-V where it fits, also for <= 16
-    rows), so the H200 checks all of them."""
+    """Every GPU test runs once per DDTREE_MLA_VARIANT: auto (the device's choice: resident-V on sm_90, portable
+    elsewhere), portable (the <= 99 KB configuration sm_80 / sm_120 build) and decode (the 16-row decode kernel,
+    built for launches of <= 16 rows a request; forced at every size, which exercises its masking and split paths on
+    every shape), so the H200 checks all of them."""
     old = os.environ.get("DDTREE_MLA_VARIANT")
     os.environ["DDTREE_MLA_VARIANT"] = request.param
     yield request.param
@@ -140,11 +139,6 @@ def kernel_variant(request: pytest.FixtureRequest):
         os.environ["DDTREE_MLA_VARIANT"] = old
 
 
-def same_as_auto(variant: str, rows: int) -> bool:
-    """Whether forcing ``variant`` launches the kernel auto picks for ``rows`` = max_q * H (then a test may skip)."""
-    return (variant == "decode" and rows <= 16) or (variant == "resident" and rows > 16)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("page", [16, 64])
 @pytest.mark.parametrize("H", [8, 16, 64, 128])
@@ -152,8 +146,6 @@ def same_as_auto(variant: str, rows: int) -> bool:
 def test_shapes(N: int, H: int, page: int, kernel_variant: str) -> None:
     """One varlen batch per (N, H, page) covers L in {N, 63, 64, 65, 4k+17, 32k} and chain/star/random trees
     (N=1 is the root-only tree), with q_len-0 padding requests whose block-table rows are unreadable."""
-    if same_as_auto(kernel_variant, N * H):
-        pytest.skip("same kernel as auto")
     Ls = [max(N, 1), max(N, 63), max(N, 64), max(N, 65), 4096 + 17, 32768]
     n_list = [N] * len(Ls)
     # padding requests: q_len 0, nonzero seq_len, unreadable block table
@@ -294,8 +286,8 @@ def test_cuda_graph_replay(H: int, N: int) -> None:
 @pytest.mark.parametrize("page", [16, 64])
 @pytest.mark.parametrize("H,N", [(8, 1), (16, 1), (8, 2)])
 def test_decode_fp8(H: int, N: int, page: int) -> None:
-    """Decode-shaped launches (max_q * H <= 16) over an fp8 cache with a per-tensor scale, NaN-poisoned unused
-    pages and slots, odd lengths and q_len-0 padding."""
+    """Decode-shaped launches (max_q * H <= 16, what the decode variant is built for) over an fp8 cache with a
+    per-tensor scale, NaN-poisoned unused pages and slots, odd lengths and q_len-0 padding."""
     n_list = [N, N, 0, N, N, 0]
     L_list = [max(N, 1), 65, 1000, 4096 + 17, 32768, 5]
     case = make_case(n_list, L_list, H, page, TREES, seed=300 + H + N + page, fp8=True)
@@ -336,7 +328,7 @@ def test_decode_varlen_and_fp16() -> None:
 def test_decode_parts_sizing(ctas: str, kernel_variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """DDTREE_MLA_DECODE_CTAS_PER_SM changes the number of split parts (1: one part per SM; 7: tiny pieces of a
     few 16-key tiles): the result must not depend on it."""
-    if kernel_variant not in ("auto", "decode"):
+    if kernel_variant != "decode":
         pytest.skip("decode variant only")
     monkeypatch.setenv("DDTREE_MLA_DECODE_CTAS_PER_SM", ctas)
     n_list = [1, 2, 0, 1, 2]
