@@ -10,7 +10,7 @@
 #   step-a       budgets 8 16: Qwen3-4B geometry | Kimi-K2-attention MLA (+ V1 chain; --paired)
 #   step-b       budgets 32 63, the same two targets
 #   acceptance   embedded pairs, budgets 8 16 32 63: GQA | MLA
-#   ops          tree ops incl. the drafter top-k | the MLA kernel vs baselines
+#   ops          tree ops incl. the drafter top-k | the MLA kernel (auto, portable, decode; all shapes) vs baselines
 #   tests        the gpu-marked tests: end to end + top-k | kernels and backends
 #   profile      Kimi-K2-attention MLA, budgets 8 16, 32k, batch 1: a torch.profiler table per config (V2 chain, ddtree)
 #   offsets      MLA budgets 16 8, batch 1: V2 chain + ddtree paired and pinned, 15 alternating repeats (one lane)
@@ -39,7 +39,8 @@ jobs_of() {
       echo "1 acc_mla bench/acceptance.py --pairs mla --out $r/acc_mla.json" ;;
     ops)
       echo "0 tree_ops bench/tree_ops.py --out $r/tree_ops.json"
-      echo "1 kernel_mla bench/kernel_mla.py --baselines --variants auto --out $r/kernel_mla.json" ;;
+      echo "1 kernel_mla bench/kernel_mla.py --baselines --variants auto,portable,decode --shapes all" \
+           "--out $r/kernel_mla.json" ;;
     tests)
       echo "0 tests_e2e -m pytest -q -s -m gpu -p no:cacheprovider tests/test_ddtree_gpu_e2e.py tests/test_draft_topk.py"
       echo "1 tests_kernels -m pytest -q -s -m gpu -p no:cacheprovider --ignore tests/test_ddtree_gpu_e2e.py" \
