@@ -372,14 +372,7 @@ __global__ void __launch_bounds__(kDecThreads, kDecMinBlocks) mla_decode_verify_
         for (int j = 0; j < dec::kVTiles; ++j) {
           const int d = dec::o_dim(warp, j, q4, 0);
           const float x0 = o[j][2 * h] * inv, x1 = o[j][2 * h + 1] * inv;
-          uint32_t w;
-          if (p.out_fp16) {
-            __half2 hv = __floats2half2_rn(x0, x1);
-            memcpy(&w, &hv, 4);
-          } else {
-            w = pack_bf16(x0, x1);
-          }
-          *reinterpret_cast<uint32_t*>(orow + d * 2) = w;
+          *reinterpret_cast<uint32_t*>(orow + d * 2) = pack_out(x0, x1, p.out_fp16);
         }
       } else {
         float* wrow = p.ws_o + ((int64_t)slot * rstride + row) * kDV;
@@ -445,18 +438,9 @@ __global__ void __launch_bounds__(256) mla_combine_wide_kernel(const MlaParams p
   const int64_t tok = q0 + node;
   char* orow = reinterpret_cast<char*>(p.out) + (tok * p.out_s0 + head * p.out_s1) * 2;
   const int d = slice * 128 + lane * 4;
-  uint32_t w0, w1;
-  if (p.out_fp16) {
-    __half2 h0 = __floats2half2_rn(t.x, t.y), h1 = __floats2half2_rn(t.z, t.w);
-    memcpy(&w0, &h0, 4);
-    memcpy(&w1, &h1, 4);
-  } else {
-    w0 = pack_bf16(t.x, t.y);
-    w1 = pack_bf16(t.z, t.w);
-  }
   // two 4-byte stores: the binding guarantees 4-byte aligned output rows (even strides), not 8
-  *reinterpret_cast<uint32_t*>(orow + d * 2) = w0;
-  *reinterpret_cast<uint32_t*>(orow + d * 2 + 4) = w1;
+  *reinterpret_cast<uint32_t*>(orow + d * 2) = pack_out(t.x, t.y, p.out_fp16);
+  *reinterpret_cast<uint32_t*>(orow + d * 2 + 4) = pack_out(t.z, t.w, p.out_fp16);
   if (slice == 0 && lane == 0)
     p.lse[tok * p.lse_s0 + head * p.lse_s1] = sum > 0.f ? (mu + log2f(sum)) * kLn2 : -INFINITY;
 }

@@ -66,6 +66,15 @@ __device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
   return r;
 }
 
+// Two fp32 values as one 4-byte pair of the output's dtype (fp16 or bf16).
+__device__ __forceinline__ uint32_t pack_out(float a, float b, bool fp16) {
+  if (!fp16) return pack_bf16(a, b);
+  __half2 h = __floats2half2_rn(a, b);
+  uint32_t r;
+  memcpy(&r, &h, 4);
+  return r;
+}
+
 // Byte offset of 16-byte unit u of row r in a [rows x 128 B] swizzled chunk.
 __device__ __forceinline__ uint32_t swz(int r, int u) { return r * 128 + ((u ^ (r & 7)) << 4); }
 

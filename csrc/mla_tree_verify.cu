@@ -545,14 +545,7 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
             for (int nj = 0; nj < C::kPVNJ; ++nj) {
               const int d = vc * 64 + pv_d0 + nj * 8 + 2 * q4;
               const float x0 = o[vc][mi][nj][2 * eh] * inv, x1 = o[vc][mi][nj][2 * eh + 1] * inv;
-              uint32_t w;
-              if (p.out_fp16) {
-                __half2 h = __floats2half2_rn(x0, x1);
-                memcpy(&w, &h, 4);
-              } else {
-                w = pack_bf16(x0, x1);
-              }
-              *reinterpret_cast<uint32_t*>(orow + d * 2) = w;
+              *reinterpret_cast<uint32_t*>(orow + d * 2) = pack_out(x0, x1, p.out_fp16);
             }
         } else {
           float* wrow = p.ws_o + ((int64_t)slot * rstride + row) * kDV;
@@ -614,15 +607,7 @@ __global__ void __launch_bounds__(256) mla_combine_kernel(const MlaParams p) {
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     const int d = (lane + 32 * k) * 4;
-    uint2 w;
-    if (p.out_fp16) {
-      __half2 h0 = __floats2half2_rn(acc[k].x, acc[k].y), h1 = __floats2half2_rn(acc[k].z, acc[k].w);
-      memcpy(&w.x, &h0, 4);
-      memcpy(&w.y, &h1, 4);
-    } else {
-      w.x = pack_bf16(acc[k].x, acc[k].y);
-      w.y = pack_bf16(acc[k].z, acc[k].w);
-    }
+    const uint2 w = make_uint2(pack_out(acc[k].x, acc[k].y, p.out_fp16), pack_out(acc[k].z, acc[k].w, p.out_fp16));
     *reinterpret_cast<uint2*>(orow + d * 2) = w;
   }
   if (lane == 0) p.lse[tok * p.lse_s0 + head * p.lse_s1] = sum > 0.f ? (mu + log2f(sum)) * kLn2 : -INFINITY;
