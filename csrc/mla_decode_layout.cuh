@@ -17,13 +17,7 @@
 
 #include <cstdint>
 
-#ifndef DDTREE_HD
-#ifdef __CUDACC__
-#define DDTREE_HD __host__ __device__ __forceinline__
-#else
-#define DDTREE_HD inline
-#endif
-#endif
+#include "host_device.cuh"
 
 namespace ddtree {
 namespace dec {

@@ -18,13 +18,7 @@
 // - total pieces <= B + P - 1 and total slots <= 2 (P - 1): within SchedView and mla_num_slots.
 #pragma once
 
-#ifndef DDTREE_HD
-#ifdef __CUDACC__
-#define DDTREE_HD __host__ __device__ __forceinline__
-#else
-#define DDTREE_HD inline
-#endif
-#endif
+#include "host_device.cuh"
 
 namespace ddtree {
 namespace plan {
