@@ -127,36 +127,33 @@ __global__ void __launch_bounds__(kDecThreads, kDecMinBlocks) mla_decode_verify_
     auto issue = [&](int tile, uint32_t dst) {
       const int key0 = tile * dec::kBN;  // < L: tile < t1 <= ceil(L / 16)
       const int nvalid = L - key0;       // rows r < nvalid of the tile are keys < L
+      // every unit of this warp's slice: its 16 bytes from src_of(row r of the tile, byte column col)
+      auto load_units = [&](auto src_of) {
+#pragma unroll
+        for (int it = 0; it < C::kLoadIts; ++it) {
+          const int i = lane + 32 * it;
+          if (FP8 && i >= dec::kUnitsFp8) continue;
+          int r, col;
+          uint32_t off;
+          unit_of(i, r, off, col);
+          cp_async16(dst + off, src_of(r, col), r < nvalid);
+        }
+      };
       if (big_pages) {
         // One page holds the whole tile (16-aligned, >= 16 tokens a page): one block-table read; rows past L are
         // still inside that page, so their address is formed unconditionally (src-size 0 reads nothing).
         const uint8_t* base = p.kv + (int64_t)bt[key0 >> p.page_log2] * p.kv_page_stride +
                               (int64_t)(key0 & page_mask) * p.kv_row_stride;
-#pragma unroll
-        for (int it = 0; it < C::kLoadIts; ++it) {
-          const int i = lane + 32 * it;
-          if (FP8 && i >= dec::kUnitsFp8) continue;
-          int r, col;
-          uint32_t off;
-          unit_of(i, r, off, col);
-          cp_async16(dst + off, base + (r * row_bytes + col), r < nvalid);
-        }
+        load_units([&](int r, int col) { return base + (r * row_bytes + col); });
       } else {  // pages of fewer than 16 tokens: a block-table read per key
-#pragma unroll
-        for (int it = 0; it < C::kLoadIts; ++it) {
-          const int i = lane + 32 * it;
-          if (FP8 && i >= dec::kUnitsFp8) continue;
-          int r, col;
-          uint32_t off;
-          unit_of(i, r, off, col);
+        load_units([&](int r, int col) {
           const int key = key0 + r;
-          const bool valid = r < nvalid;
           const uint8_t* src = p.kv;
-          if (valid)
+          if (r < nvalid)
             src += (int64_t)bt[key >> p.page_log2] * p.kv_page_stride + (int64_t)(key & page_mask) * p.kv_row_stride +
                    col;
-          cp_async16(dst + off, src, valid);
-        }
+          return src;
+        });
       }
     };
 
