@@ -80,8 +80,8 @@ static void ldsm_x4(const Smem& s, const uint32_t (&addr)[32], bool trans, Reg (
   }
 }
 
-// d[lane][4] += A B with per-lane fragments
-static void mma(double (&d)[32][4], const Reg (&a)[32][4], const Reg (&b0)[32], const Reg (&b1)[32]) {
+// d[lane][4] += A B with per-lane fragments; B is registers 2 pair, 2 pair + 1 of each lane's ldmatrix.x4, as the kernel passes them
+static void mma(double (&d)[32][4], const Reg (&a)[32][4], const Reg (&b)[32][4], int pair) {
   double A[16][16], B[16][8];
   for (int t = 0; t < 32; ++t) {
     const int g = t / 4, q = t % 4;
@@ -93,10 +93,10 @@ static void mma(double (&d)[32][4], const Reg (&a)[32][4], const Reg (&b0)[32], 
     A[g][2 * q + 9] = a[t][2].hi;
     A[g + 8][2 * q + 8] = a[t][3].lo;
     A[g + 8][2 * q + 9] = a[t][3].hi;
-    B[2 * q][g] = b0[t].lo;
-    B[2 * q + 1][g] = b0[t].hi;
-    B[2 * q + 8][g] = b1[t].lo;
-    B[2 * q + 9][g] = b1[t].hi;
+    B[2 * q][g] = b[t][2 * pair].lo;
+    B[2 * q + 1][g] = b[t][2 * pair].hi;
+    B[2 * q + 8][g] = b[t][2 * pair + 1].lo;
+    B[2 * q + 9][g] = b[t][2 * pair + 1].hi;
   }
   for (int t = 0; t < 32; ++t) {
     const int g = t / 4, q = t % 4;
@@ -166,15 +166,8 @@ static void run_warp(int w, bool fp8) {
     Reg A[32][4], Bq[32][4];
     ldsm_x4(q, aa, false, A, kSliceBf);
     ldsm_x4(k, ba, false, Bq, kSliceBf);
-    Reg b0[32], b1[32], b2[32], b3[32];
-    for (int t = 0; t < 32; ++t) {
-      b0[t] = Bq[t][0];
-      b1[t] = Bq[t][1];
-      b2[t] = Bq[t][2];
-      b3[t] = Bq[t][3];
-    }
-    mma(s[0], A, b0, b1);
-    mma(s[1], A, b2, b3);
+    mma(s[0], A, Bq, 0);  // kernel: mma_bf16(s[0], qa[kk], bq[0], bq[1])
+    mma(s[1], A, Bq, 1);  //         mma_bf16(s[1], qa[kk], bq[2], bq[3])
   }
   std::vector<int> dims;
   for (int d = 0; d < 128; ++d) dims.push_back(128 * w + d);
@@ -205,15 +198,8 @@ static void run_warp(int w, bool fp8) {
     for (int t = 0; t < 32; ++t) va[t] = vb_addr(t, jj);
     Reg Bv[32][4];
     ldsm_x4(k, va, true, Bv, kSliceBf);
-    Reg b0[32], b1[32], b2[32], b3[32];
-    for (int t = 0; t < 32; ++t) {
-      b0[t] = Bv[t][0];
-      b1[t] = Bv[t][1];
-      b2[t] = Bv[t][2];
-      b3[t] = Bv[t][3];
-    }
-    mma(o[2 * jj], pa, b0, b1);
-    mma(o[2 * jj + 1], pa, b2, b3);
+    mma(o[2 * jj], pa, Bv, 0);  // kernel: mma_bf16(o[2 * jj], pa, bv[0], bv[1])
+    mma(o[2 * jj + 1], pa, Bv, 1);  //         mma_bf16(o[2 * jj + 1], pa, bv[2], bv[3])
   }
   for (int j = 0; j < kVTiles; ++j)
     for (int t = 0; t < 32; ++t)
