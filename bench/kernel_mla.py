@@ -29,7 +29,11 @@ SHAPES = [(1, 32768, 64, 16), (1, 32768, 64, 64), (1, 131072, 64, 16), (1, 32768
 # Memory-bound shapes (B, L, H, N): ~1.89 * N * H FLOP per KV byte, far below the H200's ~206, so the floor is the
 # KV read and the copy-bandwidth share is the figure of merit (plain decode and short trees at high TP).
 MEMORY_BOUND_SHAPES = [(1, 131072, 8, 1), (1, 131072, 16, 2), (16, 16384, 8, 1), (64, 4096, 16, 1)]
-SHAPE_SETS = {"issue": SHAPES, "memory-bound": MEMORY_BOUND_SHAPES, "all": SHAPES + MEMORY_BOUND_SHAPES}
+# Between the two (32-128 packed rows a request): where `auto` switches from the decode kernel to the 64-row one.
+CROSSOVER_SHAPES = [(1, 32768, 32, 1), (8, 8192, 8, 4), (1, 32768, 16, 3), (1, 32768, 64, 1), (8, 8192, 32, 2),
+                    (1, 32768, 16, 8)]
+SHAPE_SETS = {"issue": SHAPES, "memory-bound": MEMORY_BOUND_SHAPES, "crossover": CROSSOVER_SHAPES,
+              "all": SHAPES + MEMORY_BOUND_SHAPES}
 
 
 def random_tree_bits(n: int, rng: random.Random) -> list[int]:
@@ -205,12 +209,14 @@ def main() -> None:
     ap.add_argument("--rotate", type=int, default=4)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--variants", default="auto,portable",
-                    help="comma list of DDTREE_MLA_VARIANT values: auto (resident-V where smem allows, e.g. sm_90, "
-                         "else portable), portable (sm_120 config), decode (the 16-row decode kernel, built for "
-                         "max_q*H <= 16, at every size)")
+                    help="comma list of DDTREE_MLA_VARIANT values: auto (the decode kernel at few rows a request, "
+                         "else resident-V where smem allows, e.g. sm_90, else portable), portable (sm_120 config), "
+                         "decode (the 16-row decode kernel, at every size), decode-shallow (decode with sm_120's "
+                         "2-stage ring)")
     ap.add_argument("--shapes", choices=sorted(SHAPE_SETS), default="issue",
                     help="issue: the compute-bound shapes of the README table; memory-bound: plain decode and short "
-                         "trees at few heads, judged by their share of copy bandwidth")
+                         "trees at few heads, judged by their share of copy bandwidth; crossover: 32-128 rows a "
+                         "request, where auto changes kernels")
     ap.add_argument("--fp8", action="store_true")
     ap.add_argument("--baselines", action="store_true", help="also time vLLM Triton MLA and FlashMLA (needs vLLM)")
     ap.add_argument("--csrc", default="", help="build the kernel from this source tree instead (A/B timing of a "
@@ -225,7 +231,7 @@ def main() -> None:
     shape_baselines: dict = {shape: {} for shape in shapes}
     print(f"{'variant':>8} {'B':>3} {'L':>7} {'H':>4} {'N':>3} {'us':>9} {'TFLOP/s':>8} {'KV GB/s':>8} {'%copyBW':>7}")
     for var in args.variants.split(","):
-        if var not in ("auto", "portable", "decode"):
+        if var not in ("auto", "portable", "decode", "decode-shallow"):
             raise SystemExit(f"unknown variant {var!r}")
         os.environ["DDTREE_MLA_VARIANT"] = var
         for B, L, H, N in shapes:

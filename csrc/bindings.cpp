@@ -84,7 +84,7 @@ void mla_tree_verify_cuda(const at::Tensor& q_nope, const at::Tensor& q_pe, cons
   const int device = q_nope.get_device();
   const int sms = num_sms(device);
   const int rows = static_cast<int>(max_q * H);  // packed rows per request, fixed per graph
-  const int variant = ddtree::mla_pick_variant(device);
+  const int variant = ddtree::mla_pick_variant(device, rows, B);
   int row_tiles, parts;
   if (variant == ddtree::kVariantDecode) {
     // 16-row CTAs, several per SM: as many parts as CTAs that fit the GPU at once (the line planner splits the

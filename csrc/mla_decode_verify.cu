@@ -1,5 +1,6 @@
-// MLA tree-verify attention, decode-shaped variant (kVariantDecode): launches of <= 16 packed rows per request
-// (plain decode and short trees at few heads), on every GPU (sm_80 / sm_90 / sm_120, mma.sync + ldmatrix + cp.async).
+// MLA tree-verify attention, decode-shaped variant (kVariantDecode): launches of few packed rows per request (plain
+// decode and short trees at few heads; auto picks it at <= 32 rows, or <= 64 for a single request), on every GPU
+// (sm_80 / sm_90 / sm_120, mma.sync + ldmatrix + cp.async).
 //
 // Why it exists: those shapes are memory-bound, and the 64-row kernels read their KV at only 21-50 % of the copy
 // rate: O = 64 x 512 fp32 in registers allows one 256-thread CTA per SM, and each tile is a chain of
@@ -16,8 +17,8 @@
 // fp8 caches: each warp widens its own raw slice to bf16 (warp-local, no barrier).
 // Split-KV: pieces (request, tile range) from the parallel line planner (mla_sched_line_kernel) over P = CTAs per
 // SM x SMs parts; split requests write normalized fp32 partials + base-2 lse into the workspace, merged by
-// mla_combine_wide_kernel (a block per (request, row, 128 dims), warps over the pieces: a request of B = 1 has
-// hundreds of pieces).
+// mla_combine_wide_kernel (a team of 1-8 warps per (request, row, 128 dims), over the pieces: a request of B = 1
+// has hundreds of pieces, one of B = 64 a few).
 // Masking: only tiles reaching the tree keys (>= L - n) test the tree bits; keys >= L are zero-filled and masked.
 //
 // Invariants a reviewer needs (fragment layouts and addresses: mla_decode_layout.cuh, checked on the CPU by
@@ -383,49 +384,82 @@ __global__ void __launch_bounds__(kDecThreads, kDecMinBlocks) mla_decode_verify_
   }
 }
 
-// Merges the split partials of one (request, row, 128-dim slice): every warp computes the same log-sum-exp
-// weights over all pieces, warp w accumulates pieces w, w + 8, ... (lane: 4 dims), then warp 0 adds the 8 warp
-// sums in order. Fixed order throughout: deterministic. Blocks of rows without a split request exit at once.
-__global__ void __launch_bounds__(256) mla_combine_wide_kernel(const MlaParams p) {
-  const int b = blockIdx.x, row = blockIdx.y, slice = blockIdx.z;
+// Merges the split partials of one (request, row, 128-dim slice) in a team of W = 2^team_log2 warps, sized by the
+// host from the pieces an average request has: 8 warps for the hundreds of pieces of B = 1 (short serial chains),
+// single warps for the few pieces of large batches (few blocks, one wave). Every warp of a team computes the same
+// log-sum-exp weights in one pass over the pieces' lse (online max and sum, symmetric butterfly: the same bits in
+// every lane and warp); warp k of the team accumulates pieces k, k + W, ... (lane: 4 dims), and the team's first
+// warp adds the W sums in order. Fixed order throughout: deterministic. Teams of rows without a split exit.
+__global__ void __launch_bounds__(256) mla_combine_wide_kernel(const MlaParams p, int team_log2) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int q0 = p.qsl[b];
-  const int n = p.qsl[b + 1] - q0;
-  if (row >= n * p.H) return;  // block-uniform
-  SchedView sv(p.sched, p.B, p.num_parts);
-  const int np = sv.req_npieces[b];
-  if (np <= 1) return;  // written directly by the main kernel (or no work)
-  const int slot0 = sv.req_slot0[b];
+  const int sub = warp & ((1 << team_log2) - 1);
   const int rstride = p.max_q * p.H;
-  float mx = -INFINITY;
-  for (int i = lane; i < np; i += 32) mx = fmaxf(mx, p.ws_lse[(int64_t)(slot0 + i) * rstride + row]);
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-  const float mu = mx == -INFINITY ? 0.f : mx;
-  float sum = 0.f;
-  for (int i = lane; i < np; i += 32) sum += exp2f(p.ws_lse[(int64_t)(slot0 + i) * rstride + row] - mu);
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  const int team = blockIdx.x * (8 >> team_log2) + (warp >> team_log2);
+  const int slice = team & 3, row = (team >> 2) % rstride, b = (team >> 2) / rstride;
+  SchedView sv(p.sched, p.B, p.num_parts);
+  int q0 = 0, np = 0;
+  if (b < p.B) {
+    q0 = p.qsl[b];
+    if (row < (p.qsl[b + 1] - q0) * p.H) np = sv.req_npieces[b];
+  }
+  const bool active = np > 1;  // warp-uniform; np <= 1: written directly by the main kernel (or no work)
+  const int slot0 = active ? sv.req_slot0[b] : 0;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
-  for (int i = warp; i < np; i += 8) {
-    const int64_t base = (int64_t)(slot0 + i) * rstride + row;
-    const float w = exp2f(p.ws_lse[base] - mu) * inv;
-    const float4 v = reinterpret_cast<const float4*>(p.ws_o + base * kDV + slice * 128)[lane];
-    acc.x += w * v.x;
-    acc.y += w * v.y;
-    acc.z += w * v.z;
-    acc.w += w * v.w;
+  float mu = 0.f, sum = 0.f;
+  if (active) {
+    // (max, sum of 2^(lse - max)) merged without branches, so each round's 4 loads are in flight together
+    auto merge = [](float& m, float& s, float m2, float s2) {
+      const float mm = fmaxf(m, m2);
+      s = (m == -INFINITY ? 0.f : s * exp2f(m - mm)) + (m2 == -INFINITY ? 0.f : s2 * exp2f(m2 - mm));
+      m = mm;
+    };
+    float m = -INFINITY, s = 0.f;
+    for (int i0 = lane; i0 < np; i0 += 128) {
+      float x[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        x[u] = i0 + 32 * u < np ? p.ws_lse[(int64_t)(slot0 + i0 + 32 * u) * rstride + row] : -INFINITY;
+#pragma unroll
+      for (int u = 0; u < 4; ++u) merge(m, s, x[u], 1.f);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+      merge(m, s, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, s, o));
+    mu = m == -INFINITY ? 0.f : m;
+    sum = s;
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    const int W = 1 << team_log2;
+    for (int i0 = sub; i0 < np; i0 += 8 * W) {  // rounds of 8 pieces, all loads issued before the first use
+      float x[8];
+      float4 v[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const int i = i0 + u * W;
+        x[u] = -INFINITY;
+        v[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (i < np) {
+          const int64_t base = (int64_t)(slot0 + i) * rstride + row;
+          x[u] = p.ws_lse[base];
+          v[u] = reinterpret_cast<const float4*>(p.ws_o + base * kDV + slice * 128)[lane];
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const float w = exp2f(x[u] - mu) * inv;
+        acc.x += w * v[u].x;
+        acc.y += w * v[u].y;
+        acc.z += w * v[u].z;
+        acc.w += w * v[u].w;
+      }
+    }
   }
   __shared__ float4 red[8][32];
   red[warp][lane] = acc;
   __syncthreads();
-  if (warp != 0) return;
-  float4 t = red[0][lane];
-#pragma unroll
-  for (int w = 1; w < 8; ++w) {
-    const float4 v = red[w][lane];
+  if (!active || sub != 0) return;
+  float4 t = red[warp][lane];
+  for (int w = 1; w < (1 << team_log2); ++w) {
+    const float4 v = red[warp + w][lane];
     t.x += v.x;
     t.y += v.y;
     t.z += v.z;
@@ -460,8 +494,10 @@ int device_attr(cudaDeviceAttr a, int device) {
   return v;
 }
 
-// Deep ring where two CTAs of it fit an SM, else the shallow one. Cached per device.
+// Deep ring where two CTAs of it fit an SM, else the shallow one (also when DDTREE_MLA_VARIANT=decode-shallow
+// forces it, so the H200 can run sm_120's configuration). Cached per device.
 bool decode_deep(int device, bool fp8) {
+  if (mla_decode_force_shallow()) return false;
   static int cache[64][2] = {};  // 0 unknown, 1 shallow, 2 deep
   int& c = cache[device & 63][fp8 ? 1 : 0];
   if (c == 0) {
@@ -495,10 +531,10 @@ void launch_decode_main(const MlaParams& p, int device, cudaStream_t stream) {
 int mla_decode_ctas_per_sm(int device, bool fp8) {
   const char* env = std::getenv("DDTREE_MLA_DECODE_CTAS_PER_SM");  // tuning knob (host-known, fixed per graph)
   if (env != nullptr && std::atoi(env) > 0) return std::atoi(env);
-  static int cache[64][2] = {};
-  int& c = cache[device & 63][fp8 ? 1 : 0];
+  const bool deep = decode_deep(device, fp8);
+  static int cache[64][2][2] = {};
+  int& c = cache[device & 63][fp8 ? 1 : 0][deep ? 1 : 0];
   if (c == 0) {
-    const bool deep = decode_deep(device, fp8);
     int n;
     if (fp8) n = deep ? occupancy<true, kDeepStagesFp8>(device) : occupancy<true, kShallowStages>(device);
     else n = deep ? occupancy<false, kDeepStagesBf16>(device) : occupancy<false, kShallowStages>(device);
@@ -519,8 +555,13 @@ void launch_mla_decode(const MlaParams& p, cudaStream_t stream) {
     if (deep) launch_decode_main<false, kDeepStagesBf16>(p, device, stream);
     else launch_decode_main<false, kShallowStages>(p, device, stream);
   }
-  dim3 cgrid(p.B, p.max_q * p.H, kDV / 128);
-  mla_combine_wide_kernel<<<cgrid, 256, 0, stream>>>(p);
+  // combine teams: ~8 pieces a warp for the average request (at most (P + B) / B pieces), 1..8 warps
+  const int avg_pieces = (p.num_parts + 2 * p.B - 1) / p.B;
+  int team_log2 = 0;
+  while (team_log2 < 3 && (8 << team_log2) < avg_pieces) ++team_log2;
+  const int64_t teams = (int64_t)p.B * p.max_q * p.H * (kDV / 128);
+  const int blocks = static_cast<int>((teams + (8 >> team_log2) - 1) / (8 >> team_log2));
+  mla_combine_wide_kernel<<<blocks, 256, 0, stream>>>(p, team_log2);
 }
 
 }  // namespace ddtree

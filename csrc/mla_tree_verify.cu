@@ -11,12 +11,10 @@
 // The portable ring is bound by the bytes it keeps in flight (measured on the H200: those tiles made it 9-14 %
 // slower), so it keeps 4 row groups x 2 halves: QK over all k-steps of a key half, PV over a 32-dim half.
 // Either way O is 128 fp32 registers per thread and P passes through shared memory (on resident tiles also the
-// per-row rescale, whose softmax rows belong to other warps). In SHORT launches (few rows a request: plain decode
-// and short trees at few heads, which otherwise pay the 64-row product for a few rows) a warp skips the mma of rows
-// that hold no query: on portable tiles its 16-row group (launches of <= 48 rows a request), on resident tiles
-// warps 4-7 entirely and at <= 16 rows also the second 16-row block (launches of <= 32 rows a request). Other
-// launches compute every row: their tiles are full but for a request's last, and the skip's code cost them 3-4 %
-// (H200, portable) where nothing is skipped.
+// per-row rescale, whose softmax rows belong to other warps). In SHORT portable launches (33-48 rows a request in
+// batches under auto; fewer rows go to the decode kernel, mla_decode_verify.cu) a warp skips the mma of its 16-row
+// group when that holds no query. Other launches compute every row: their tiles are full but for a request's last,
+// and the skip's code cost them 3-4 % (H200, portable) where nothing is skipped.
 // Split-KV: the device scheduler (mla_tree_verify_sched.cu) hands each part a list of pieces (request, tile range);
 // a request cut into several pieces writes normalized fp32 partials + base-2 lse, merged by the combine kernel.
 #include <cuda_bf16.h>
@@ -77,10 +75,11 @@ struct KCfg {
   static_assert(4 * kExWarp <= kBfChunk && 4 * kExWarp <= kBM * kPStride * 2, "exchange halves must fit");
 };
 
-// SHORT: a launch of few rows per request (max_q * H <= 48 portable, <= 32 resident): warps without queries skip.
+// SHORT: a portable launch of few rows per request (max_q * H <= 48): warps without queries skip their mma.
 template <int BN, int STAGES, bool FP8, bool VRES, bool SHORT>
 __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams p) {
   using C = KCfg<BN, STAGES, FP8, VRES>;
+  static_assert(!(SHORT && VRES), "resident launches of few rows go to the decode kernel");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   if constexpr (VRES) {  // needs ~226 KB of shared memory per block: never launched before sm_90, so not built
     __trap();
@@ -123,8 +122,6 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
     // warp without one still takes part in every load and barrier, but skips its mma, so S stays 0, its softmax
     // finite, and its rows are never stored. Only in SHORT launches (elsewhere every warp computes).
     const bool row_work = !SHORT || __shfl_sync(0xffffffffu, rt * kBM + qk_row0 < rows, 0);
-    // SHORT resident: whether the second 16-row block of this warp's rows holds a query (not at <= 16 rows).
-    const bool block1_work = !(SHORT && VRES) || __shfl_sync(0xffffffffu, rt * kBM + qk_row0 + 16 < rows, 0);
     const int L = p.seq_lens[b];
     const int t0 = sv.piece_t0[pc], t1 = sv.piece_t1[pc];
     const int slot = sv.piece_slot[pc];
@@ -299,18 +296,13 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
       };
 
       uint32_t buf = 0;
-      // SHORT portable tiles: two copies of each step loop, with the mma and, for a warp without queries, only the
-      // ring's bookkeeping (loads, barriers), so the mma path carries no per-step branch. SHORT resident tiles (pure
-      // steps, all registers in use): one loop that tests each step and each 16-row block (ptxas allocates those
-      // spill-free; the same tests in full-size launches made it spill). Other launches: the mma loop only.
+      // SHORT tiles: two copies of each step loop, with the mma and, for a warp without queries, only the ring's
+      // bookkeeping (loads, barriers), so the mma path carries no per-step branch. Other launches: the mma loop only.
       auto qk_chunks = [&](auto with_mma) {
 #pragma unroll(VRES ? 1 : 9)  // the ring's step bookkeeping folds to constants when unrolled
         for (int c = 0; c < 9; ++c) {
           buf = step_buf(c);
           if constexpr (decltype(with_mma)::value) {
-            if constexpr (SHORT && VRES) {
-              if (!row_work) continue;
-            }
             // ---- S[16 kQKM x BN/2] += Q[rows, this warp's k-steps of chunk c] K_c^T
 #pragma unroll
             for (int kk = 0; kk < C::kQKKS; ++kk) {
@@ -318,8 +310,7 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
               uint32_t a[C::kQKM][4];
 #pragma unroll
               for (int mi = 0; mi < C::kQKM; ++mi)
-                if (mi == 0 || block1_work)
-                  ldsm_x4(a[mi], sQ + c * (kBM * 128) + swz(qk_row0 + mi * 16 + (lane & 15), ks * 2 + (lane >> 4)));
+                ldsm_x4(a[mi], sQ + c * (kBM * 128) + swz(qk_row0 + mi * 16 + (lane & 15), ks * 2 + (lane >> 4)));
 #pragma unroll
               for (int jj = 0; jj < C::kQKNT / 2; ++jj) {
                 const int key = kq * (BN / 2) + jj * 16 + (lane & 7) + ((lane >> 4) << 3);
@@ -327,7 +318,6 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
                 ldsm_x4(bq, buf + swz(key, ks * 2 + ((lane >> 3) & 1)));
 #pragma unroll
                 for (int mi = 0; mi < C::kQKM; ++mi) {
-                  if (mi > 0 && !block1_work) continue;
                   mma_bf16(s[mi][2 * jj], a[mi], bq[0], bq[1]);
                   mma_bf16(s[mi][2 * jj + 1], a[mi], bq[2], bq[3]);
                 }
@@ -445,9 +435,6 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
         for (int vc = 0; vc < 8; ++vc) {
           buf = step_buf(9 + vc);
           if constexpr (decltype(with_mma)::value) {
-            if constexpr (SHORT && VRES) {
-              if (!row_work) continue;
-            }
             // ---- O[rows pv_row0.., (chunk vc, dims pv_d0..)] += P[rows, BN] V_vc
             if (vc == 0) {  // sP and srow are complete (a barrier separates them from this step)
 #pragma unroll
@@ -479,7 +466,6 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
                 ldsm_x4_t(bv, buf + swz(key, pv_d0 / 8 + jj * 2 + (lane >> 4)));
 #pragma unroll
                 for (int mi = 0; mi < C::kPVM; ++mi) {
-                  if (mi > 0 && !block1_work) continue;
                   mma_bf16(o[vc][mi][2 * jj], pa[mi][ks], bv[0], bv[1]);
                   mma_bf16(o[vc][mi][2 * jj + 1], pa[mi][ks], bv[2], bv[3]);
                 }
@@ -626,26 +612,36 @@ void launch_main(const MlaParams& p, cudaStream_t stream) {
   kern<<<grid, C::kThreads, C::kSmem, stream>>>(p);
 }
 
-// One configuration's instantiations: cache dtype x SHORT, both fixed per CUDA graph.
+// One configuration's instantiations: cache dtype (x SHORT on portable tiles), fixed per CUDA graph.
 template <int BN, int STAGES, bool VRES>
 void launch_config(const MlaParams& p, bool short_rows, cudaStream_t stream) {
-  if (p.kv_fp8) {
-    if (short_rows) launch_main<BN, STAGES, true, VRES, true>(p, stream);
-    else launch_main<BN, STAGES, true, VRES>(p, stream);
-  } else {
-    if (short_rows) launch_main<BN, STAGES, false, VRES, true>(p, stream);
-    else launch_main<BN, STAGES, false, VRES>(p, stream);
+  if constexpr (!VRES) {
+    if (short_rows) {
+      if (p.kv_fp8) launch_main<BN, STAGES, true, VRES, true>(p, stream);
+      else launch_main<BN, STAGES, false, VRES, true>(p, stream);
+      return;
+    }
   }
+  if (p.kv_fp8) launch_main<BN, STAGES, true, VRES>(p, stream);
+  else launch_main<BN, STAGES, false, VRES>(p, stream);
 }
 
 }  // namespace
 
-int mla_pick_variant(int device) {
-  // Resident-V needs ~226 KB of opt-in shared memory (sm_90); sm_80/86/89/120 take the portable path. The decode
-  // variant (built for launches of <= 16 rows a request) runs only when forced until it has passed the GPU tests.
+bool mla_decode_force_shallow() {
+  const char* env = std::getenv("DDTREE_MLA_VARIANT");
+  return env != nullptr && std::strcmp(env, "decode-shallow") == 0;
+}
+
+int mla_pick_variant(int device, int rows, int64_t batch) {
   const char* env = std::getenv("DDTREE_MLA_VARIANT");
   if (env != nullptr && std::strcmp(env, "portable") == 0) return kVariantPortable;
-  if (env != nullptr && std::strcmp(env, "decode") == 0) return kVariantDecode;
+  if (env != nullptr && std::strncmp(env, "decode", 6) == 0) return kVariantDecode;
+  // The decode kernel where a request has few rows. H200, bench/kernel_mla.py --shapes memory-bound / crossover
+  // (2026-12-01): 1.2-2.2x faster than the 64-row kernels at 8-32 rows a request, and at 48-64 rows for one request;
+  // with 64 rows and 8 requests its four 16-row blocks re-reading every KV tile make it 1.3x slower.
+  if (rows <= 32 || (rows <= 64 && batch == 1)) return kVariantDecode;
+  // Resident-V needs ~226 KB of opt-in shared memory (sm_90); sm_80/86/89/120 take the portable path.
   int optin = 0;
   if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) optin = 0;
   const bool fits = optin >= KCfg<64, 2, false, true>::kSmem && optin >= KCfg<64, 2, true, true>::kSmem;
@@ -664,7 +660,7 @@ void launch_mla_tree_verify(const MlaParams& p, cudaStream_t stream) {
   launch_mla_sched(p, stream);
   const int rows = p.max_q * p.H;  // launch geometry, fixed under a CUDA graph
   if (p.variant == kVariantResidentV) {
-    launch_config<64, 2, true>(p, rows <= 32, stream);  // SHORT: warps 4-7 never hold a query
+    launch_config<64, 2, true>(p, false, stream);  // under auto > 32 rows a request (fewer: decode kernel)
   } else {
     launch_config<32, 5, false>(p, rows <= 48, stream);  // SHORT: at least the last 16-row group of a tile is empty
   }

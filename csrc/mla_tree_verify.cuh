@@ -72,7 +72,7 @@ struct MlaParams {
 
 constexpr int kVariantPortable = 0;   // <= 99 KB smem, V re-read from L2: sm_80 / sm_86 / sm_89 / sm_120
 constexpr int kVariantResidentV = 1;  // ~226 KB smem, V resident, whole next tile in flight: sm_90
-constexpr int kVariantDecode = 2;     // 16-row CTAs, several per SM (mla_decode_verify.cu): every GPU, <= 16 rows
+constexpr int kVariantDecode = 2;     // 16-row CTAs, several per SM (mla_decode_verify.cu): every GPU, few rows
 constexpr int kDecodeBM = 16;         // packed rows per decode CTA (row tiles = ceil(max_q * H / 16))
 
 // Number of workspace slots needed for P parts and B requests (split pieces <= 2(P-1)).
@@ -81,10 +81,13 @@ inline int mla_num_slots(int B, int P) {
   return a < b ? a : b;
 }
 
-// Picks the kernel variant for `device`: resident-V where the opt-in shared memory allows it (sm_90), else portable.
-// DDTREE_MLA_VARIANT forces one: portable (the sm_120 configuration, testable on an H200) or decode (any rows; built
-// for launches of <= 16 rows a request, where auto is to pick it once it has passed the GPU tests).
-int mla_pick_variant(int device);
+// Picks the kernel variant of a launch of `rows` = max_q * H packed rows a request and `batch` requests on `device`:
+// decode for few rows a request, else resident-V where the opt-in shared memory allows it (sm_90), else portable.
+// DDTREE_MLA_VARIANT forces one: portable (the sm_120 configuration, testable on an H200), decode (any rows), or
+// decode-shallow (the decode kernel with the 2-stage ring of 100-KB-per-SM GPUs such as sm_120, on any GPU).
+int mla_pick_variant(int device, int rows, int64_t batch);
+// Whether DDTREE_MLA_VARIANT=decode-shallow forces the decode kernel's 2-stage ring.
+bool mla_decode_force_shallow();
 int mla_variant_block_n(int variant);
 // Decode variant: CTAs of its kernel that fit one SM of `device` (occupancy of the configuration it launches there),
 // or DDTREE_MLA_DECODE_CTAS_PER_SM when set. The binding sizes num_parts = this x SMs / row tiles.

@@ -121,15 +121,15 @@ def check_close(out: torch.Tensor, lse: torch.Tensor, ref_out: torch.Tensor, ref
 TREES = ["chain", "star", "random", "chain"]
 
 
-VARIANTS = ["auto", "portable", "decode"]
+VARIANTS = ["auto", "portable", "decode", "decode-shallow"]
 
 
 @pytest.fixture(params=VARIANTS, autouse=True)
 def kernel_variant(request: pytest.FixtureRequest):
-    """Every GPU test runs once per DDTREE_MLA_VARIANT: auto (the device's choice: resident-V on sm_90, portable
-    elsewhere), portable (the <= 99 KB configuration sm_80 / sm_120 build) and decode (the 16-row decode kernel,
-    built for launches of <= 16 rows a request; forced at every size, which exercises its masking and split paths on
-    every shape), so the H200 checks all of them."""
+    """Every GPU test runs once per DDTREE_MLA_VARIANT: auto (the launch's choice: the decode kernel at few rows a
+    request, else resident-V on sm_90, portable elsewhere), portable (the <= 99 KB configuration sm_80 / sm_120
+    build), decode (the 16-row decode kernel, forced at every size, which exercises its masking and split paths on
+    every shape) and decode-shallow (the same with the 2-stage ring sm_120 gets), so the H200 checks all of them."""
     old = os.environ.get("DDTREE_MLA_VARIANT")
     os.environ["DDTREE_MLA_VARIANT"] = request.param
     yield request.param
@@ -328,8 +328,8 @@ def test_decode_varlen_and_fp16() -> None:
 def test_decode_parts_sizing(ctas: str, kernel_variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """DDTREE_MLA_DECODE_CTAS_PER_SM changes the number of split parts (1: one part per SM; 7: tiny pieces of a
     few 16-key tiles): the result must not depend on it."""
-    if kernel_variant != "decode":
-        pytest.skip("decode variant only")
+    if not kernel_variant.startswith("decode"):
+        pytest.skip("decode variants only")
     monkeypatch.setenv("DDTREE_MLA_DECODE_CTAS_PER_SM", ctas)
     n_list = [1, 2, 0, 1, 2]
     L_list = [32768, 4096 + 17, 11, 65, 2]
