@@ -384,15 +384,18 @@ __global__ void __launch_bounds__(kDecThreads, kDecMinBlocks) mla_decode_verify_
   }
 }
 
-// Merges the split partials of one (request, row, 128-dim slice) in a team of W = 2^team_log2 warps, sized by the
-// host from the pieces an average request has: 8 warps for the hundreds of pieces of B = 1 (short serial chains),
-// single warps for the few pieces of large batches (few blocks, one wave). Every warp of a team computes the same
-// log-sum-exp weights in one pass over the pieces' lse (online max and sum, symmetric butterfly: the same bits in
-// every lane and warp); warp k of the team accumulates pieces k, k + W, ... (lane: 4 dims), and the team's first
+// Merges the split partials of one (request, row, 128-dim slice) in a team of W = 2^team_log2 warps (1..8), sized
+// by the host from the pieces an average request has: 8 warps for the hundreds of pieces of B = 1, single warps for
+// the few pieces of large batches (few blocks, about one wave; blocks of 8 warps there cost 15 us at B = 64 on the
+// H200, teams 10). Every warp of a team computes the same log-sum-exp weights over all pieces (max, then sum: loops
+// the compiler unrolls with their loads together; a fused online max-and-sum had them interleaved with the math, a
+// memory latency each); warp k of the team accumulates pieces k, k + W, ... (lane: 4 dims), and the team's first
 // warp adds the W sums in order. Fixed order throughout: deterministic. Teams of rows without a split exit.
+constexpr int kCombineMaxTeamLog2 = 3;
+
 __global__ void __launch_bounds__(256) mla_combine_wide_kernel(const MlaParams p, int team_log2) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int sub = warp & ((1 << team_log2) - 1);
+  const int W = 1 << team_log2, sub = warp & (W - 1);
   const int rstride = p.max_q * p.H;
   const int team = blockIdx.x * (8 >> team_log2) + (warp >> team_log2);
   const int slice = team & 3, row = (team >> 2) % rstride, b = (team >> 2) / rstride;
@@ -407,50 +410,24 @@ __global__ void __launch_bounds__(256) mla_combine_wide_kernel(const MlaParams p
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   float mu = 0.f, sum = 0.f;
   if (active) {
-    // (max, sum of 2^(lse - max)) merged without branches, so each round's 4 loads are in flight together
-    auto merge = [](float& m, float& s, float m2, float s2) {
-      const float mm = fmaxf(m, m2);
-      s = (m == -INFINITY ? 0.f : s * exp2f(m - mm)) + (m2 == -INFINITY ? 0.f : s2 * exp2f(m2 - mm));
-      m = mm;
-    };
-    float m = -INFINITY, s = 0.f;
-    for (int i0 = lane; i0 < np; i0 += 128) {
-      float x[4];
+    float mx = -INFINITY;
+    for (int i = lane; i < np; i += 32) mx = fmaxf(mx, p.ws_lse[(int64_t)(slot0 + i) * rstride + row]);
 #pragma unroll
-      for (int u = 0; u < 4; ++u)
-        x[u] = i0 + 32 * u < np ? p.ws_lse[(int64_t)(slot0 + i0 + 32 * u) * rstride + row] : -INFINITY;
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    mu = mx == -INFINITY ? 0.f : mx;
+    for (int i = lane; i < np; i += 32) sum += exp2f(p.ws_lse[(int64_t)(slot0 + i) * rstride + row] - mu);
 #pragma unroll
-      for (int u = 0; u < 4; ++u) merge(m, s, x[u], 1.f);
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-      merge(m, s, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, s, o));
-    mu = m == -INFINITY ? 0.f : m;
-    sum = s;
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
     const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    const int W = 1 << team_log2;
-    for (int i0 = sub; i0 < np; i0 += 8 * W) {  // rounds of 8 pieces, all loads issued before the first use
-      float x[8];
-      float4 v[8];
-#pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        const int i = i0 + u * W;
-        x[u] = -INFINITY;
-        v[u] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (i < np) {
-          const int64_t base = (int64_t)(slot0 + i) * rstride + row;
-          x[u] = p.ws_lse[base];
-          v[u] = reinterpret_cast<const float4*>(p.ws_o + base * kDV + slice * 128)[lane];
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        const float w = exp2f(x[u] - mu) * inv;
-        acc.x += w * v[u].x;
-        acc.y += w * v[u].y;
-        acc.z += w * v[u].z;
-        acc.w += w * v[u].w;
-      }
+#pragma unroll 4
+    for (int i = sub; i < np; i += W) {
+      const int64_t base = (int64_t)(slot0 + i) * rstride + row;
+      const float w = exp2f(p.ws_lse[base] - mu) * inv;
+      const float4 v = reinterpret_cast<const float4*>(p.ws_o + base * kDV + slice * 128)[lane];
+      acc.x += w * v.x;
+      acc.y += w * v.y;
+      acc.z += w * v.z;
+      acc.w += w * v.w;
     }
   }
   __shared__ float4 red[8][32];
@@ -458,7 +435,7 @@ __global__ void __launch_bounds__(256) mla_combine_wide_kernel(const MlaParams p
   __syncthreads();
   if (!active || sub != 0) return;
   float4 t = red[warp][lane];
-  for (int w = 1; w < (1 << team_log2); ++w) {
+  for (int w = 1; w < W; ++w) {
     const float4 v = red[warp + w][lane];
     t.x += v.x;
     t.y += v.y;
@@ -555,12 +532,13 @@ void launch_mla_decode(const MlaParams& p, cudaStream_t stream) {
     if (deep) launch_decode_main<false, kDeepStagesBf16>(p, device, stream);
     else launch_decode_main<false, kShallowStages>(p, device, stream);
   }
-  // combine teams: ~8 pieces a warp for the average request (at most (P + B) / B pieces), 1..8 warps
+  // combine teams: about 8 pieces a warp for the average request (at most (P + B) / B pieces), 1..8 warps
   const int avg_pieces = (p.num_parts + 2 * p.B - 1) / p.B;
   int team_log2 = 0;
-  while (team_log2 < 3 && (8 << team_log2) < avg_pieces) ++team_log2;
+  while (team_log2 < kCombineMaxTeamLog2 && (8 << team_log2) < avg_pieces) ++team_log2;
   const int64_t teams = (int64_t)p.B * p.max_q * p.H * (kDV / 128);
-  const int blocks = static_cast<int>((teams + (8 >> team_log2) - 1) / (8 >> team_log2));
+  const int per_block = 8 >> team_log2;
+  const int blocks = static_cast<int>((teams + per_block - 1) / per_block);
   mla_combine_wide_kernel<<<blocks, 256, 0, stream>>>(p, team_log2);
 }
 
