@@ -158,10 +158,30 @@ def hopper_split_time(q: torch.Tensor, caches: list, tables: list, B: int, L: in
     return graph_time_us(split, reps, len(caches))
 
 
+def kernel_breakdown_us(fn, calls: int = 20) -> dict[str, float]:
+    """Device microseconds per launch of each kernel ``fn`` launches (eager, torch.profiler): where the time of one
+    call goes (split planner, main kernel, combine); their sum leaves out the gaps between launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for e in prof.key_averages():
+        if e.device_type.name == "CUDA" and e.count >= calls:
+            name = e.key.replace("(anonymous namespace)::", "").split("(")[0].split("<")[0].split("::")[-1]
+            out[name] = round(out.get(name, 0.0) + e.device_time_total / calls, 2)
+    return out
+
+
 def time_shape(B: int, L: int, H: int, N: int, page: int, fp8: bool, rotate: int, reps: int,
-               baselines: dict | None = None) -> dict:
+               baselines: dict | None = None, breakdown: bool = False) -> dict:
     """Our kernel on one shape; ``baselines`` (a dict, filled on the first variant of the shape and reused by the
-    next) adds the baseline timings and our ratios to them."""
+    next) adds the baseline timings and our ratios to them; ``breakdown`` the device time per kernel."""
     from vllm_ddtree.ops import mla_tree_verify
 
     rng = random.Random(0)
@@ -191,6 +211,10 @@ def time_shape(B: int, L: int, H: int, N: int, page: int, fp8: bool, rotate: int
     kv_bytes = B * L * 576 * (1 if fp8 else 2)
     row = dict(B=B, L=L, H=H, N=N, page=page, fp8=fp8, us=round(us, 2), tflops=round(flops / us / 1e6, 1),
                kv_gbs=round(kv_bytes / us / 1e3, 1), variant=os.environ.get("DDTREE_MLA_VARIANT", "auto"))
+    if breakdown:
+        c, bt = caches[0], tables[0]
+        row["kernels_us"] = kernel_breakdown_us(
+            lambda: mla_tree_verify(q_nope, q_pe, c, bt, seq_lens, qsl, bits, scale, 1.0, out, lse, max_query_len=N))
     if baselines is not None and not fp8:
         if not baselines:
             baselines.update(baseline_times(q, caches, tables, B, L, H, N, page, bits, reps))
@@ -218,6 +242,8 @@ def main() -> None:
                          "trees at few heads, judged by their share of copy bandwidth; crossover: 32-128 rows a "
                          "request, where auto changes kernels")
     ap.add_argument("--fp8", action="store_true")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also the device time per kernel of one call (planner / main / combine; eager, profiler)")
     ap.add_argument("--baselines", action="store_true", help="also time vLLM Triton MLA and FlashMLA (needs vLLM)")
     ap.add_argument("--csrc", default="", help="build the kernel from this source tree instead (A/B timing of a "
                     "kernel change: run once per tree, same machine, back to back)")
@@ -236,7 +262,7 @@ def main() -> None:
         os.environ["DDTREE_MLA_VARIANT"] = var
         for B, L, H, N in shapes:
             r = time_shape(B, L, H, N, args.page, args.fp8, args.rotate, args.reps,
-                           shape_baselines[(B, L, H, N)] if args.baselines else None)
+                           shape_baselines[(B, L, H, N)] if args.baselines else None, args.breakdown)
             r["pct_copy_bw"] = round(100 * r["kv_gbs"] / bw, 1)
             rows.append(r)
             print(f"{var:>8} {B:>3} {L:>7} {H:>4} {N:>3} {r['us']:>9.1f} {r['tflops']:>8.1f} {r['kv_gbs']:>8.0f} "
@@ -245,6 +271,8 @@ def main() -> None:
                   f"hopper split {r['ours_hopper_us']:.1f} us ({r['hopper_x_vs_triton']}x triton, "
                   f"{r['hopper_x_of_flashmla']}x flashmla)"
                   if "triton_mla_us" in r else ""), flush=True)
+            if "kernels_us" in r:
+                print("          per kernel (us, eager): " + ", ".join(f"{k} {v}" for k, v in r["kernels_us"].items()))
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
