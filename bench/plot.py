@@ -39,14 +39,17 @@ def plot_step(data: dict, ax: object) -> None:
 
 
 def plot_kernel(data: dict, ax: object) -> None:
-    """One group of bars per shape: our kernel per variant (sm_90's resident-V, the <= 99 KB portable one that sm_80
-    and sm_120 build), the Hopper split and the two vLLM baselines."""
+    """One group of bars per shape: our kernel per variant (auto: the decode kernel at few rows a request, else
+    sm_90's resident-V; the <= 99 KB portable one that sm_80 and sm_120 build; the decode kernel forced), the Hopper
+    split and the two vLLM baselines."""
     shapes = list(dict.fromkeys((r["B"], r["L"], r["H"], r["N"]) for r in data["rows"]))
     by = {(r["B"], r["L"], r["H"], r["N"], r.get("variant", "auto")): r for r in data["rows"]}
     labels = [f"B{b} L{n_l // 1024}k\nH{h} N{n}" for b, n_l, h, n in shapes]
     first = [next(r for k, r in by.items() if k[:4] == shape) for shape in shapes]
     series = {}
-    for variant, name in (("auto", "our CUDA kernel, resident-V (sm_90)"), ("portable", "our CUDA kernel, portable")):
+    variants = (("auto", "our CUDA kernel, auto (sm_90)"), ("portable", "our CUDA kernel, portable"),
+                ("decode", "our decode kernel, forced"), ("decode-shallow", "our decode kernel, sm_120 ring"))
+    for variant, name in variants:
         if all((*shape, variant) in by for shape in shapes):
             series[name] = [by[(*shape, variant)]["us"] for shape in shapes]
     if all("ours_hopper_us" in r for r in first):
