@@ -256,9 +256,11 @@ def main() -> None:
     shapes = SHAPE_SETS[args.shapes]
     shape_baselines: dict = {shape: {} for shape in shapes}
     print(f"{'variant':>8} {'B':>3} {'L':>7} {'H':>4} {'N':>3} {'us':>9} {'TFLOP/s':>8} {'KV GB/s':>8} {'%copyBW':>7}")
+    from vllm_ddtree.ops import KERNEL_VARIANTS
+
     for var in args.variants.split(","):
-        if var not in ("auto", "portable", "decode", "decode-shallow"):
-            raise SystemExit(f"unknown variant {var!r}")
+        if var not in KERNEL_VARIANTS:
+            raise SystemExit(f"unknown variant {var!r}: one of {', '.join(KERNEL_VARIANTS)}")
         os.environ["DDTREE_MLA_VARIANT"] = var
         for B, L, H, N in shapes:
             r = time_shape(B, L, H, N, args.page, args.fp8, args.rotate, args.reps,

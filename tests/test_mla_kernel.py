@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from vllm_ddtree.mla_reference import mla_tree_verify_ref
+from vllm_ddtree.ops import KERNEL_VARIANTS
 
 SCALE = 1.0 / math.sqrt(576)
 BIG_PAGE = 2**30  # block-table filler: reading it would fault, so untouched entries prove they were never read
@@ -121,10 +122,7 @@ def check_close(out: torch.Tensor, lse: torch.Tensor, ref_out: torch.Tensor, ref
 TREES = ["chain", "star", "random", "chain"]
 
 
-VARIANTS = ["auto", "portable", "decode", "decode-shallow"]
-
-
-@pytest.fixture(params=VARIANTS, autouse=True)
+@pytest.fixture(params=KERNEL_VARIANTS, autouse=True)
 def kernel_variant(request: pytest.FixtureRequest):
     """Every GPU test runs once per DDTREE_MLA_VARIANT: auto (the launch's choice: the decode kernel at few rows a
     request, else resident-V on sm_90, portable elsewhere), portable (the <= 99 KB configuration sm_80 / sm_120
