@@ -17,7 +17,7 @@
 // fp8 caches: each warp widens its own raw slice to bf16 (warp-local, no barrier).
 // Split-KV: pieces (request, tile range) from the parallel line planner (mla_sched_line_kernel) over P = CTAs per
 // SM x SMs parts; split requests write normalized fp32 partials + base-2 lse into the workspace, merged by
-// mla_combine_wide_kernel (a team of 1-8 warps per (request, row, 128 dims), over the pieces: a request of B = 1
+// mla_combine_wide_kernel (a team of 1-32 warps per (request, row, 128 dims), over the pieces: a request of B = 1
 // has hundreds of pieces, one of B = 64 a few).
 // Masking: only tiles reaching the tree keys (>= L - n) test the tree bits; keys >= L are zero-filled and masked.
 //
@@ -384,22 +384,24 @@ __global__ void __launch_bounds__(kDecThreads, kDecMinBlocks) mla_decode_verify_
   }
 }
 
-// Merges the split partials of one (request, row, 128-dim slice) in a team of W = 2^team_log2 warps (1..8), sized
-// by the host from the pieces an average request has: 8 warps for the hundreds of pieces of B = 1, single warps for
-// the few pieces of large batches (few blocks, about one wave). H200, device time (2026-12-01): B = 64 x 4k, H 16:
-// 15.4 us with blocks of 8 warps per row, 6.5 with single-warp teams; B = 1 x 128k, H 8: 9.3 -> 12.7 us (same team
-// of 8, but ptxas no longer batches the accumulate loop's loads: open). Every warp of a team computes the same
-// log-sum-exp weights over all pieces (max, then sum: loops the compiler unrolls with their loads together; a fused
-// online max-and-sum had them interleaved with the math, a memory latency each: 15.3 us at B = 1); warp k of the
-// team accumulates pieces k, k + W, ... (lane: 4 dims), and the team's first warp adds the W sums in order. Fixed
-// order throughout: deterministic. Teams of rows without a split exit.
-constexpr int kCombineMaxTeamLog2 = 3;
+// Merges the split partials of one (request, row, 128-dim slice) in a team of W = 2^team_log2 warps (1..32), sized
+// by the host from the pieces an average request has: 32 warps for the hundreds of pieces of B = 1, single warps for
+// the few pieces of large batches (few blocks, about one wave). A block holds max(8, W) warps. The partials' reads
+// are chains of dependent rounds, a memory latency each, so the team size, not the bytes, sets the time: H200,
+// device time (2026-12-01): B = 64 x 4k, H 16: 15.4 us with blocks of 8 warps per row, 6.5 with single-warp teams;
+// B = 1 x 128k, H 8: 12.7 us with a team of 8 (~50 pieces a warp, 4 loads in flight). Every warp of a team computes
+// the same log-sum-exp weights over all pieces (max, then sum: loops the compiler unrolls with their loads
+// together; a fused online max-and-sum had them interleaved with the math, a memory latency each: 15.3 us at
+// B = 1); warp k of the team accumulates pieces k, k + W, ... (lane: 4 dims), and the team's first warp adds the W
+// sums in order. Fixed order throughout: deterministic. Teams of rows without a split exit.
+constexpr int kCombineMaxTeamLog2 = 5;
 
-__global__ void __launch_bounds__(256) mla_combine_wide_kernel(const MlaParams p, int team_log2) {
+__global__ void __launch_bounds__(1024) mla_combine_wide_kernel(const MlaParams p, int team_log2) {
+  extern __shared__ float4 red[];  // [warps of the block][32]
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int W = 1 << team_log2, sub = warp & (W - 1);
   const int rstride = p.max_q * p.H;
-  const int team = blockIdx.x * (8 >> team_log2) + (warp >> team_log2);
+  const int team = blockIdx.x * ((blockDim.x >> 5) >> team_log2) + (warp >> team_log2);
   const int slice = team & 3, row = (team >> 2) % rstride, b = (team >> 2) / rstride;
   SchedView sv(p.sched, p.B, p.num_parts);
   int q0 = 0, np = 0;
@@ -432,13 +434,12 @@ __global__ void __launch_bounds__(256) mla_combine_wide_kernel(const MlaParams p
       acc.w += w * v.w;
     }
   }
-  __shared__ float4 red[8][32];
-  red[warp][lane] = acc;
+  red[warp * 32 + lane] = acc;
   __syncthreads();
   if (!active || sub != 0) return;
-  float4 t = red[warp][lane];
+  float4 t = red[warp * 32 + lane];
   for (int w = 1; w < W; ++w) {
-    const float4 v = red[warp + w][lane];
+    const float4 v = red[(warp + w) * 32 + lane];
     t.x += v.x;
     t.y += v.y;
     t.z += v.z;
@@ -534,14 +535,15 @@ void launch_mla_decode(const MlaParams& p, cudaStream_t stream) {
     if (deep) launch_decode_main<false, kDeepStagesBf16>(p, device, stream);
     else launch_decode_main<false, kShallowStages>(p, device, stream);
   }
-  // combine teams: about 8 pieces a warp for the average request (at most (P + B) / B pieces), 1..8 warps
+  // combine teams: about 8 pieces a warp for the average request (at most (P + B) / B pieces), 1..32 warps
   const int avg_pieces = (p.num_parts + 2 * p.B - 1) / p.B;
   int team_log2 = 0;
   while (team_log2 < kCombineMaxTeamLog2 && (8 << team_log2) < avg_pieces) ++team_log2;
+  const int warps = (1 << team_log2) > 8 ? 1 << team_log2 : 8;  // a block: 8 warps, or one team of 16 / 32
   const int64_t teams = (int64_t)p.B * p.max_q * p.H * (kDV / 128);
-  const int per_block = 8 >> team_log2;
+  const int per_block = warps >> team_log2;
   const int blocks = static_cast<int>((teams + per_block - 1) / per_block);
-  mla_combine_wide_kernel<<<blocks, 256, 0, stream>>>(p, team_log2);
+  mla_combine_wide_kernel<<<blocks, 32 * warps, warps * 32 * sizeof(float4), stream>>>(p, team_log2);
 }
 
 }  // namespace ddtree
