@@ -73,7 +73,6 @@ void launch_mla_sched(const MlaParams& p, cudaStream_t stream) {
 namespace {
 
 constexpr int kLineThreads = 512;
-constexpr int kLineMinTiles = 8;  // a part holds >= 8 tiles' worth of line units (128 keys at the decode tiles)
 
 // Exclusive block-wide prefix sum of v (every thread calls it); total = the sum over the block.
 __device__ int block_excl_scan(int v, int* s_warp, int& total) {
@@ -119,7 +118,7 @@ __global__ void __launch_bounds__(kLineThreads) mla_sched_line_kernel(const int*
   int total = 0, np_total = 0, ns_total = 0;
   const int csum = plan::chunk_cost(b0, b1, seq_lens, qsl, block_n, kSchedOverhead, sK);
   const int cbase = block_excl_scan(csum, s_warp, total);
-  const int per = plan::part_len(total, P, kSchedOverhead, kLineMinTiles);
+  const int per = plan::part_len(total, P, kSchedOverhead, plan::kLineMinTiles);
   int np = 0, ns = 0;
   plan::chunk_count(b0, b1, cbase, kSchedOverhead, per, sK, sC, np, ns);
   const int pbase = block_excl_scan(np, s_warp, np_total);
