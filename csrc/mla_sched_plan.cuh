@@ -1,34 +1,31 @@
-// Line planner for split-KV, kept free of CUDA headers so a host harness (tests/csrc/sched_plan_check.cpp) runs the
-// very same functions on the CPU. Two derivations of one plan:
-// - the global one of the parallel device scheduler (mla_sched_line_kernel in mla_tree_verify_sched.cu), phases 1-4:
-//   every piece of every part into global memory, one block;
-// - the per-part one (range_cost, range_slots, part_piece) that lets each CTA of the decode kernel find its own
-//   part's pieces at its start, without a planner launch (3-4 us plus a launch gap on the H200). The harness checks
-//   that both give exactly the same pieces, slots and per-request split counts.
+// Line plan for split-KV, derived per part: the arithmetic the decode kernel (mla_decode_verify.cu) runs at the
+// start of every CTA to find its own part's pieces, kept free of CUDA headers so a host harness
+// (tests/csrc/sched_plan_check.cpp) runs the very same functions on the CPU.
 //
 // The plan: every request is laid on a cost line, [C_b, C_b + OV + k_b) (OV overhead units in front of its k_b
 // tiles, C_b = sum of the costs before it; cost 0 without tiles), the line is cut into P parts of `per` units
 // (part p covers [p * per, min((p + 1) * per, total))), and a piece is the intersection of a request's tiles with a
 // part. Request b's pieces lie in the parts pf_b .. pl_b of its first and last tile, n_b = pl_b - pf_b + 1 of them;
 // if n_b > 1 they use the workspace slots G_b .. G_b + n_b - 1, G_b = the slots of the split requests before b.
-// Globally, everything follows from prefix sums and one binary search per part. Per part, only two prefix sums at
-// its first request are needed, C and G: a CTA computes the line total and those with two block scans over the
-// requests (range_cost, range_slots: a thread sums a contiguous range of them), then walks its requests from that
-// cursor, one piece each (part_piece), carrying C.
 //
-// Invariants (checked by the host harness):
+// Why per part, in the main kernel: a separate planner launch (one block writing every piece to global memory)
+// cost 3-4 us plus a launch gap on the H200, against 47-88 us for the main kernel at memory-bound shapes. A part
+// needs from the requests before it only two prefix sums at its first request: C and G. So each CTA computes the
+// line total and those prefix sums with two block scans over the requests (range_cost, range_slots: a thread sums a
+// contiguous range of them), then walks its requests from that cursor, one piece each (part_piece), carrying C.
+//
+// Invariants (checked by the host harness against the global planner this replaced, case by case):
 // - per >= OV + min_tiles (part_len), so every part whose range starts before the line's end holds at least one tile;
-//   later parts are empty (part_begin = total pieces).
-// - pieces are numbered by request, then by part, which is also their order by part: the pieces of part p are
-//   [part_begin[p], part_begin[p+1]).
+//   a part starting at or past the end (x >= total) has no pieces.
 // - the walk of part p starts at the one request with tiles whose line range holds x = p * per (range_slots) and
 //   stops at the first request with tiles whose tile 0 lies at or past the part's end: its pieces are exactly the
 //   requests' tiles within the part, in request order; requests without tiles are skipped.
 // - request b's piece in part p has index i = p - pf_b (pf_b = part of its tile 0), tiles [t0, t1) consecutive over
 //   its parts and covering [0, k_b), slot G_b + i if n_b > 1, else -1. Only a part's first request can have tiles
 //   before it, so G is the same for all its other requests (PartCursor::g_next).
-// - exactly one part has i = 0 for a request with tiles (pf_b < P since C_b + OV < total <= P * per).
-// - total pieces <= B + P - 1 and total slots <= 2 (P - 1): within SchedView and mla_num_slots.
+// - exactly one part has i = 0 for a request with tiles (pf_b < P since C_b + OV < total <= P * per): that part's
+//   row-tile-0 CTA writes req_npieces / req_slot0 for the combine.
+// - total slots <= 2 (P - 1) (a slot pair per part boundary at most): within mla_num_slots.
 #pragma once
 
 #include "host_device.cuh"
@@ -48,88 +45,6 @@ DDTREE_HD int part_len(int total, int P, int ov, int min_tiles) {
 }
 // Pieces of a request whose tile 0 sits at line position s0 (k > 0 tiles): the parts its tiles touch.
 DDTREE_HD int piece_count(int s0, int k, int per) { return (s0 + k - 1) / per - s0 / per + 1; }
-
-// Phase 1 (requests [b0, b1) of one thread): tiles per request into sK; returns the chunk's line length.
-DDTREE_HD int chunk_cost(int b0, int b1, const int* seq_lens, const int* qsl, int bn, int ov, int* sK) {
-  int c = 0;
-  for (int b = b0; b < b1; ++b) {
-    const int k = req_tiles(qsl[b + 1] - qsl[b], seq_lens[b], bn);
-    sK[b] = k;
-    c += req_cost(k, ov);
-  }
-  return c;
-}
-
-// Phase 2: line starts into sC (cbase: the chunk's first line position); piece and slot counts of the chunk.
-DDTREE_HD void chunk_count(int b0, int b1, int cbase, int ov, int per, const int* sK, int* sC, int& npieces,
-                           int& nslots) {
-  int c = cbase;
-  npieces = 0;
-  nslots = 0;
-  for (int b = b0; b < b1; ++b) {
-    const int k = sK[b];
-    sC[b] = c;
-    if (k > 0) {
-      const int n = (c + ov + k - 1) / per - (c + ov) / per + 1;
-      npieces += n;
-      nslots += n > 1 ? n : 0;
-    }
-    c += req_cost(k, ov);
-  }
-}
-
-// Phase 3: first piece (sS), piece count and first slot of every request of the chunk.
-DDTREE_HD void chunk_write(int b0, int b1, int pbase, int sbase, int ov, int per, const int* sK, const int* sC,
-                           int* sS, int* req_npieces, int* req_slot0) {
-  for (int b = b0; b < b1; ++b) {
-    const int k = sK[b], c = sC[b];
-    const int n = k > 0 ? (c + ov + k - 1) / per - (c + ov) / per + 1 : 0;
-    sS[b] = pbase;
-    req_npieces[b] = n;
-    req_slot0[b] = n > 1 ? sbase : -1;
-    pbase += n;
-    if (n > 1) sbase += n;
-  }
-}
-
-// Phase 4 (one part): its pieces and part_begin[p]. total = line length, np_total = number of pieces.
-DDTREE_HD void plan_part(int p, int B, int total, int per, int ov, int np_total, const int* sK, const int* sC,
-                         const int* sS, const int* req_slot0, int* part_begin, int* piece_req, int* piece_t0,
-                         int* piece_t1, int* piece_slot) {
-  const int x = p * per;
-  if (x >= total) {
-    part_begin[p] = np_total;
-    return;
-  }
-  const int hi = x + per < total ? x + per : total;
-  // the request whose line range holds x: the largest b with C_b <= x (it has tiles, see the header)
-  int lo = 0, up = B - 1;
-  while (lo < up) {
-    const int mid = (lo + up + 1) >> 1;
-    if (sC[mid] <= x) lo = mid;
-    else up = mid - 1;
-  }
-  bool first = true;
-  for (int b = lo; b < B; ++b) {
-    const int k = sK[b];
-    if (k == 0) continue;
-    const int s0 = sC[b] + ov;  // line position of tile 0
-    if (s0 >= hi) break;
-    const int i = p - s0 / per;  // index of this piece within the request
-    const int id = sS[b] + i;
-    if (first) {
-      part_begin[p] = id;
-      first = false;
-    }
-    const int t0 = x > s0 ? x - s0 : 0;
-    const int t1 = hi - s0 < k ? hi - s0 : k;
-    piece_req[id] = b;
-    piece_t0[id] = t0;
-    piece_t1[id] = t1;
-    const int slot0 = req_slot0[b];
-    piece_slot[id] = slot0 < 0 ? -1 : slot0 + i;
-  }
-}
 
 // Line cost of the requests [b0, b1). Where npieces / slot0 are given (one CTA of the launch), requests without tiles
 // get 0 / -1 there: no part writes them, and the combine reads req_npieces for the rows of a request with q_len > 0

@@ -1,11 +1,11 @@
 // Host harness for the split-KV line plan of the decode kernel (csrc/mla_sched_plan.cuh). Two planners of the same
 // plan, on random and edge cases:
-// - the reference: the global line planner (mla_sched_line_kernel), its four phases run as the kernel runs them (512
-//   threads' chunks, prefix sums done sequentially), its output checked against every invariant the decode kernel
-//   and the combine rely on;
-// - the per-part derivation for the decode kernel's CTAs, with the very same header functions, emulating 128
-//   threads: their request ranges, the warp scans and warp sums of two block scans, the owner's cursor, the walk of
-//   every part, CTA (0, 0)'s zeros for requests without tiles.
+// - the reference: the global line planner that ran as its own kernel (mla_sched_line_kernel) before each CTA of the
+//   decode kernel planned its own part. Its four phases are kept here as it ran them (512 threads' chunks, prefix
+//   sums done sequentially) and its output is checked against every invariant the kernel and the combine rely on;
+// - the per-part derivation the decode kernel runs (part_plan and the piece walk in mla_decode_verify.cu), with the
+//   very same header functions, emulating its 128 threads: their request ranges, the warp scans and warp sums of the
+//   two block scans, the owner's cursor, the walk of every part, CTA (0, 0)'s zeros for requests without tiles.
 // Every part must walk exactly the reference's pieces of that part, in order (request, tile range, slot), and
 // req_npieces / req_slot0 must equal the reference's for every request, each written exactly once. Exit code 0 = all
 // good.
@@ -21,13 +21,89 @@ using namespace ddtree::plan;
 
 constexpr int kOV = 5;  // kSchedOverhead
 
-namespace ref {  // the global line planner: mla_sched_line_kernel's block, its four phases from the header
+namespace ref {  // the global line planner (mla_sched_line_kernel and its four phases)
 
-constexpr int kNT = 512;
-using ddtree::plan::chunk_cost;
-using ddtree::plan::chunk_count;
-using ddtree::plan::chunk_write;
-using ddtree::plan::plan_part;
+constexpr int kNT = 512;  // its block
+
+// Phase 1 (requests [b0, b1) of one thread): tiles per request into sK; returns the chunk's line length.
+int chunk_cost(int b0, int b1, const int* seq_lens, const int* qsl, int bn, int ov, int* sK) {
+  int c = 0;
+  for (int b = b0; b < b1; ++b) {
+    const int k = req_tiles(qsl[b + 1] - qsl[b], seq_lens[b], bn);
+    sK[b] = k;
+    c += req_cost(k, ov);
+  }
+  return c;
+}
+
+// Phase 2: line starts into sC (cbase: the chunk's first line position); piece and slot counts of the chunk.
+void chunk_count(int b0, int b1, int cbase, int ov, int per, const int* sK, int* sC, int& npieces, int& nslots) {
+  int c = cbase;
+  npieces = 0;
+  nslots = 0;
+  for (int b = b0; b < b1; ++b) {
+    const int k = sK[b];
+    sC[b] = c;
+    if (k > 0) {
+      const int n = (c + ov + k - 1) / per - (c + ov) / per + 1;
+      npieces += n;
+      nslots += n > 1 ? n : 0;
+    }
+    c += req_cost(k, ov);
+  }
+}
+
+// Phase 3: first piece (sS), piece count and first slot of every request of the chunk.
+void chunk_write(int b0, int b1, int pbase, int sbase, int ov, int per, const int* sK, const int* sC, int* sS,
+                 int* req_npieces, int* req_slot0) {
+  for (int b = b0; b < b1; ++b) {
+    const int k = sK[b], c = sC[b];
+    const int n = k > 0 ? (c + ov + k - 1) / per - (c + ov) / per + 1 : 0;
+    sS[b] = pbase;
+    req_npieces[b] = n;
+    req_slot0[b] = n > 1 ? sbase : -1;
+    pbase += n;
+    if (n > 1) sbase += n;
+  }
+}
+
+// Phase 4 (one part): its pieces and part_begin[p]. total = line length, np_total = number of pieces.
+void plan_part(int p, int B, int total, int per, int ov, int np_total, const int* sK, const int* sC, const int* sS,
+               const int* req_slot0, int* part_begin, int* piece_req, int* piece_t0, int* piece_t1, int* piece_slot) {
+  const int x = p * per;
+  if (x >= total) {
+    part_begin[p] = np_total;
+    return;
+  }
+  const int hi = x + per < total ? x + per : total;
+  // the request whose line range holds x: the largest b with C_b <= x (it has tiles)
+  int lo = 0, up = B - 1;
+  while (lo < up) {
+    const int mid = (lo + up + 1) >> 1;
+    if (sC[mid] <= x) lo = mid;
+    else up = mid - 1;
+  }
+  bool first = true;
+  for (int b = lo; b < B; ++b) {
+    const int k = sK[b];
+    if (k == 0) continue;
+    const int s0 = sC[b] + ov;  // line position of tile 0
+    if (s0 >= hi) break;
+    const int i = p - s0 / per;  // index of this piece within the request
+    const int id = sS[b] + i;
+    if (first) {
+      part_begin[p] = id;
+      first = false;
+    }
+    const int t0 = x > s0 ? x - s0 : 0;
+    const int t1 = hi - s0 < k ? hi - s0 : k;
+    piece_req[id] = b;
+    piece_t0[id] = t0;
+    piece_t1[id] = t1;
+    const int slot0 = req_slot0[b];
+    piece_slot[id] = slot0 < 0 ? -1 : slot0 + i;
+  }
+}
 
 }  // namespace ref
 
