@@ -43,8 +43,6 @@ DDTREE_HD int part_len(int total, int P, int ov, int min_tiles) {
   const int per = (total + P - 1) / P;
   return per < ov + min_tiles ? ov + min_tiles : per;
 }
-// Pieces of a request whose tile 0 sits at line position s0 (k > 0 tiles): the parts its tiles touch.
-DDTREE_HD int piece_count(int s0, int k, int per) { return (s0 + k - 1) / per - s0 / per + 1; }
 
 // Line cost of the requests [b0, b1). Where npieces / slot0 are given (one CTA of the launch), requests without tiles
 // get 0 / -1 there: no part writes them, and the combine reads req_npieces for the rows of a request with q_len > 0
@@ -74,23 +72,33 @@ struct PartCursor {
   int b, c, g, g_next;
 };
 
-// Slots of the split requests [b0, b1) (line start cbase, parts of `per` units). If one of them holds line position
-// x in its line range (at most one request of the whole line does), cur = that request, its line start and its
-// slots counted from b0 (the caller adds the slots before b0); otherwise cur is left alone.
+// Slots of the split requests [b0, b1) (line start cbase, parts of `per` >= ov + 1 units, as part_len makes them).
+// If one of them holds line position x in its line range (at most one request of the whole line does), cur = that
+// request, its line start and its slots counted from b0 (the caller adds the slots before b0); otherwise cur is left
+// alone. A request's pieces are the parts pf .. pl of its first and last tile. This runs over every request in every
+// CTA, and a division by a runtime value is a long sequence, so: one division per request instead of two (the next
+// tile 0 lies 1 + ov <= per units after this request's last tile e, so its part is pl or pl + 1, told by e's
+// remainder), and unsigned (line positions are >= 0: no sign handling). sm_90: 273 -> 220 instructions per 4
+// requests of the unrolled loop.
 DDTREE_HD int range_slots(int b0, int b1, int cbase, int x, int per, const int* seq_lens, const int* qsl, int bn,
                           int ov, PartCursor& cur) {
+  const unsigned uper = static_cast<unsigned>(per);
   int c = cbase, g = 0;
+  int pf = static_cast<int>(static_cast<unsigned>(c + ov) / uper);  // part of the next tile 0
   int q = b0 < b1 ? qsl[b0] : 0;
   for (int b = b0; b < b1; ++b) {
     const int q1 = qsl[b + 1];
     const int k = req_tiles(q1 - q, seq_lens[b], bn);
     q = q1;
     if (k == 0) continue;
-    const int n = piece_count(c + ov, k, per);
+    const int e = c + ov + k - 1;  // line position of the last tile
+    const int pl = static_cast<int>(static_cast<unsigned>(e) / uper);
+    const int n = pl - pf + 1;
     const int ns = n > 1 ? n : 0;
     if (c <= x && x < c + ov + k) cur = PartCursor{b, c, g, g + ns};
     g += ns;
     c += ov + k;
+    pf = pl + (e - pl * per + 1 + ov >= per ? 1 : 0);
   }
   return g;
 }
@@ -109,7 +117,7 @@ DDTREE_HD bool part_piece(int k, int p, int per, int hi, int ov, int g, int& c, 
   const int s0 = c + ov;  // line position of tile 0
   if (s0 >= hi) return false;
   const int pf = s0 / per;
-  const int n = (s0 + k - 1) / per - pf + 1;  // piece_count, sharing the division
+  const int n = (s0 + k - 1) / per - pf + 1;  // parts pf .. of its first and last tile
   const int x = p * per;
   pc.t0 = x > s0 ? x - s0 : 0;
   pc.t1 = hi - s0 < k ? hi - s0 : k;
