@@ -87,8 +87,8 @@ void mla_tree_verify_cuda(const at::Tensor& q_nope, const at::Tensor& q_pe, cons
   const int variant = ddtree::mla_pick_variant(device, rows, B);
   int row_tiles, parts;
   if (variant == ddtree::kVariantDecode) {
-    // 16-row CTAs, several per SM: as many parts as CTAs that fit the GPU at once (the line planner splits the
-    // requests' tiles over them; its cost does not grow with the number of parts)
+    // 16-row CTAs, several per SM: as many parts as CTAs that fit the GPU at once (each CTA cuts its own part of
+    // the requests' tiles out of the line plan, mla_sched_plan.cuh: its cost grows with B, not with the parts)
     row_tiles = (rows + ddtree::kDecodeBM - 1) / ddtree::kDecodeBM;
     parts = std::max(1, ddtree::mla_decode_ctas_per_sm(device, fp8) * sms / row_tiles);
   } else {
@@ -135,7 +135,9 @@ void mla_tree_verify_cuda(const at::Tensor& q_nope, const at::Tensor& q_pe, cons
   const int slots = ddtree::mla_num_slots(p.B, parts);
   auto iopt = q_nope.options().dtype(at::kInt);
   auto fopt = q_nope.options().dtype(at::kFloat);
-  at::Tensor sched = at::empty({ddtree::SchedView::size(p.B, parts)}, iopt);
+  const int64_t sched_ints = variant == ddtree::kVariantDecode ? ddtree::DecodeSplitView::size(p.B)
+                                                                : ddtree::SchedView::size(p.B, parts);
+  at::Tensor sched = at::empty({sched_ints}, iopt);
   at::Tensor ws_o = at::empty({slots, max_q * H, ddtree::kDV}, fopt);
   at::Tensor ws_lse = at::empty({slots, max_q * H}, fopt);
   p.sched = sched.data_ptr<int>();

@@ -15,10 +15,12 @@
 //   of PV (no P in shared memory);
 // - PV: warp w computes O[16 x 128] for its own latent dims (64 fp32 registers), from the V bytes it loaded itself.
 // fp8 caches: each warp widens its own raw slice to bf16 (warp-local, no barrier).
-// Split-KV: pieces (request, tile range) from the parallel line planner (mla_sched_line_kernel) over P = CTAs per
-// SM x SMs parts; split requests write normalized fp32 partials + base-2 lse into the workspace, merged by
-// mla_combine_wide_kernel (a team of 1-8 warps per (request, row, 128 dims), over the pieces: a request of B = 1
-// has hundreds of pieces, one of B = 64 a few).
+// Split-KV: the requests' tiles are cut into P = CTAs per SM x SMs parts by the line plan of mla_sched_plan.cuh, and
+// CTA (rt, part) derives its part's pieces (request, tile range, workspace slot) itself at its start (part_plan: two
+// block scans over the requests, then a walk from the part's first request), so no planner kernel runs before it
+// (one did, 3-4 us plus a launch gap on the H200). Split requests write normalized fp32 partials + base-2 lse into
+// the workspace, merged by mla_combine_wide_kernel (a team of 1-32 warps per (request, row, 128 dims), over the
+// pieces: a request of B = 1 has hundreds of pieces, one of B = 64 a few).
 // Masking: only tiles reaching the tree keys (>= L - n) test the tree bits; keys >= L are zero-filled and masked.
 //
 // Invariants a reviewer needs (fragment layouts and addresses: mla_decode_layout.cuh, checked on the CPU by
@@ -35,7 +37,14 @@
 // - Every warp adds the 4 partials in warp order 0..3, so S, the row max m, alpha, P and l are bit-identical in all
 //   warps; each warp rescales and normalizes its own O columns with them, warp 0 writes the lse.
 // - Rows >= rows (padding of the 16-row block) have zero Q, so finite S, and are never stored. Requests with q_len 0
-//   or L = 0 get no piece (planner), so no block-table read and no write.
+//   or L = 0 get no piece (the walk skips them), so no block-table read and no write.
+// - part_plan runs in every thread before the piece loop (its three __syncthreads are reached by all). Of shared
+//   memory it touches only its static PartShared (not the ring or the S exchange), whose fields are final at its
+//   last barrier and only read afterwards, so the walk's values (first request, slots, per, line end) are the same
+//   in every thread: the piece loop is CTA-uniform.
+// - The combine's split counts (DecodeSplitView) are written once per request: by thread 0 of the row-tile-0 CTA of
+//   the part holding the request's tile 0, or, for requests without tiles (req_npieces 0), by CTA (0, 0). The combine
+//   runs after this kernel on the same stream.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -45,12 +54,10 @@
 
 #include "mla_decode_layout.cuh"
 #include "mla_device_utils.cuh"
+#include "mla_sched_plan.cuh"
 #include "mla_tree_verify.cuh"
 
 namespace ddtree {
-
-void launch_mla_sched_line(const MlaParams& p, cudaStream_t stream);
-
 namespace {
 
 using namespace dev;
@@ -78,6 +85,71 @@ constexpr int kDeepStagesBf16 = 3;  // 63,488 B
 constexpr int kDeepStagesFp8 = 5;   // 72,704 B
 constexpr int kShallowStages = 2;   // 45,056 B (bf16 and fp8)
 
+// Inclusive prefix sum of v over the warp.
+__device__ __forceinline__ int warp_incl_scan(int v) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, v, o);
+    if (lane >= o) v += y;
+  }
+  return v;
+}
+
+// part_plan's shared memory: the two scans' warp sums, then this part's walk start and line range.
+struct PartShared {
+  int warp_cost[dec::kWarps], warp_slots[dec::kWarps];
+  plan::PartCursor cur;  // cur.b = B: no pieces
+  int per, hi;           // line units per part, end of this part's line range
+};
+
+// This CTA's part of the split plan (mla_sched_plan.cuh) into s. Thread t sums the contiguous requests
+// [t * chunk, (t + 1) * chunk) (any B: chunk = ceil(B / 128)): a block scan of their line costs gives the line length
+// (so `per`) and each range's line start; a second one, of their split requests' slots, the slots before the
+// request that holds the part's start x, whose thread then publishes the cursor. Three barriers, each scan's warp
+// sums in their own array (no reuse to order). Requests without tiles get req_npieces 0 from CTA (0, 0) (no part
+// visits them); the others from the walk. The walk reads the slots, per and hi from s at every piece rather than
+// keeping them in registers: live across the tile loop, they made ptxas spill (sm_90: bf16 2-stage 8 B, fp8 5-stage
+// 4 B).
+__device__ __forceinline__ void part_plan(const MlaParams& p, int part, bool zero_empty, PartShared& s) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int chunk = (p.B + kDecThreads - 1) / kDecThreads;
+  const int b0 = min(p.B, static_cast<int>(threadIdx.x) * chunk), b1 = min(p.B, b0 + chunk);
+  const DecodeSplitView sv(p.sched, p.B);
+  // ---- scan 1: line costs
+  const int cost = plan::range_cost(b0, b1, p.seq_lens, p.qsl, dec::kBN, kSchedOverhead,
+                                    zero_empty ? sv.req_npieces : nullptr, sv.req_slot0);
+  const int cincl = warp_incl_scan(cost);
+  if (lane == 31) s.warp_cost[warp] = cincl;
+  __syncthreads();
+  int cbase = cincl - cost, total = 0;
+#pragma unroll
+  for (int w = 0; w < dec::kWarps; ++w) {
+    cbase += w < warp ? s.warp_cost[w] : 0;
+    total += s.warp_cost[w];
+  }
+  const int per = plan::part_len(total, p.num_parts, kSchedOverhead, plan::kLineMinTiles);
+  const int x = part * per;
+  // ---- scan 2: split requests' slots
+  plan::PartCursor cur{-1, 0, 0, 0};
+  const int ns = plan::range_slots(b0, b1, cbase, x, per, p.seq_lens, p.qsl, dec::kBN, kSchedOverhead, cur);
+  const int gincl = warp_incl_scan(ns);
+  if (lane == 31) s.warp_slots[warp] = gincl;
+  __syncthreads();
+  if (cur.b >= 0) {  // the owner of x: exactly one thread when x < total, none otherwise
+    int gbase = gincl - ns;
+#pragma unroll
+    for (int w = 0; w < dec::kWarps; ++w) gbase += w < warp ? s.warp_slots[w] : 0;
+    s.cur = plan::PartCursor{cur.b, cur.c, cur.g + gbase, cur.g_next + gbase};
+  }
+  if (threadIdx.x == 0) {
+    if (x >= total) s.cur = plan::PartCursor{p.B, 0, 0, 0};  // the part starts past the line's end: no pieces
+    s.per = per;
+    s.hi = min(x + per, total);
+  }
+  __syncthreads();
+}
+
 template <bool FP8, int STAGES>
 __global__ void __launch_bounds__(kDecThreads, kDecMinBlocks) mla_decode_verify_kernel(const MlaParams p) {
   using C = DecCfg<FP8, STAGES>;
@@ -94,22 +166,33 @@ __global__ void __launch_bounds__(kDecThreads, kDecMinBlocks) mla_decode_verify_
   const uint32_t qstage = FP8 ? conv : ring + (STAGES - 1) * C::kSlot;
   float* xs = reinterpret_cast<float*>(smem + C::kOffX);
 
-  SchedView sv(p.sched, p.B, p.num_parts);
-  const int pc_begin = sv.part_begin[part], pc_end = sv.part_begin[part + 1];
+  __shared__ PartShared plan_s;  // static, 56 B (128 B of the CTA's shared memory with the dynamic buffer's alignment)
+  part_plan(p, part, rt == 0 && part == 0, plan_s);
   const int page_mask = (1 << p.page_log2) - 1;
   const bool big_pages = p.page_log2 >= 4;  // a 16-key tile (16-aligned) then lies in one page
   const int row_bytes = static_cast<int>(p.kv_row_stride);  // < 2^31 (checked by the binding)
   int xb = 0;  // S exchange buffer; alternates every tile, across pieces too (CTA-uniform)
 
-  for (int pc = pc_begin; pc < pc_end; ++pc) {
-    const int b = sv.piece_req[pc];
+  // The part's pieces, request by request from its first one (mla_sched_plan.cuh); CTA-uniform throughout.
+  int c = plan_s.cur.c;  // line start of request b
+  for (int b = plan_s.cur.b; b < p.B; ++b) {
     const int q0 = p.qsl[b];
     const int n = p.qsl[b + 1] - q0;
-    const int rows = n * p.H;
-    if (rt * dec::kRows >= rows) continue;  // CTA-uniform: no row of this block in the request
     const int L = p.seq_lens[b];
-    const int t0 = sv.piece_t0[pc], t1 = sv.piece_t1[pc];
-    const int slot = sv.piece_slot[pc];
+    const int k = plan::req_tiles(n, L, dec::kBN);
+    if (k == 0) continue;  // q_len 0 (graph padding) or L = 0: no piece, no block-table read, no write
+    plan::PartPiece pc;
+    const int slots_before = b == plan_s.cur.b ? plan_s.cur.g : plan_s.cur.g_next;
+    if (!plan::part_piece(k, part, plan_s.per, plan_s.hi, kSchedOverhead, slots_before, c, pc)) break;
+    if (rt == 0 && pc.first && threadIdx.x == 0) {  // one CTA per request: the combine's split counts
+      const DecodeSplitView sv(p.sched, p.B);
+      sv.req_npieces[b] = pc.npieces;
+      sv.req_slot0[b] = pc.slot0;
+    }
+    const int rows = n * p.H;
+    if (rt * dec::kRows >= rows) continue;  // no row of this block in the request
+    const int t0 = pc.t0, t1 = pc.t1;
+    const int slot = pc.slot;
     const int tree_start = L - n;
     const int* bt = p.block_table + (int64_t)b * p.bt_stride;
 
@@ -384,24 +467,26 @@ __global__ void __launch_bounds__(kDecThreads, kDecMinBlocks) mla_decode_verify_
   }
 }
 
-// Merges the split partials of one (request, row, 128-dim slice) in a team of W = 2^team_log2 warps (1..8), sized
-// by the host from the pieces an average request has: 8 warps for the hundreds of pieces of B = 1, single warps for
-// the few pieces of large batches (few blocks, about one wave). H200, device time (2026-12-01): B = 64 x 4k, H 16:
-// 15.4 us with blocks of 8 warps per row, 6.5 with single-warp teams; B = 1 x 128k, H 8: 9.3 -> 12.7 us (same team
-// of 8, but ptxas no longer batches the accumulate loop's loads: open). Every warp of a team computes the same
-// log-sum-exp weights over all pieces (max, then sum: loops the compiler unrolls with their loads together; a fused
-// online max-and-sum had them interleaved with the math, a memory latency each: 15.3 us at B = 1); warp k of the
-// team accumulates pieces k, k + W, ... (lane: 4 dims), and the team's first warp adds the W sums in order. Fixed
-// order throughout: deterministic. Teams of rows without a split exit.
-constexpr int kCombineMaxTeamLog2 = 3;
+// Merges the split partials of one (request, row, 128-dim slice) in a team of W = 2^team_log2 warps (1..32), sized
+// by the host from the pieces an average request has: 32 warps for the hundreds of pieces of B = 1, single warps for
+// the few pieces of large batches (few blocks, about one wave). A block holds max(8, W) warps. The partials' reads
+// are chains of dependent rounds, a memory latency each, so the team size, not the bytes, sets the time: H200,
+// device time (2026-12-01): B = 64 x 4k, H 16: 15.4 us with blocks of 8 warps per row, 6.5 with single-warp teams;
+// B = 1 x 128k, H 8: 12.7 us with a team of 8 (~50 pieces a warp, 4 loads in flight). Every warp of a team computes
+// the same log-sum-exp weights over all pieces (max, then sum: loops the compiler unrolls with their loads
+// together; a fused online max-and-sum had them interleaved with the math, a memory latency each: 15.3 us at
+// B = 1); warp k of the team accumulates pieces k, k + W, ... (lane: 4 dims), and the team's first warp adds the W
+// sums in order. Fixed order throughout: deterministic. Teams of rows without a split exit.
+constexpr int kCombineMaxTeamLog2 = 5;
 
-__global__ void __launch_bounds__(256) mla_combine_wide_kernel(const MlaParams p, int team_log2) {
+__global__ void __launch_bounds__(1024) mla_combine_wide_kernel(const MlaParams p, int team_log2) {
+  extern __shared__ float4 red[];  // [warps of the block][32]
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int W = 1 << team_log2, sub = warp & (W - 1);
   const int rstride = p.max_q * p.H;
-  const int team = blockIdx.x * (8 >> team_log2) + (warp >> team_log2);
+  const int team = blockIdx.x * ((blockDim.x >> 5) >> team_log2) + (warp >> team_log2);
   const int slice = team & 3, row = (team >> 2) % rstride, b = (team >> 2) / rstride;
-  SchedView sv(p.sched, p.B, p.num_parts);
+  const DecodeSplitView sv(p.sched, p.B);
   int q0 = 0, np = 0;
   if (b < p.B) {
     q0 = p.qsl[b];
@@ -432,13 +517,12 @@ __global__ void __launch_bounds__(256) mla_combine_wide_kernel(const MlaParams p
       acc.w += w * v.w;
     }
   }
-  __shared__ float4 red[8][32];
-  red[warp][lane] = acc;
+  red[warp * 32 + lane] = acc;
   __syncthreads();
   if (!active || sub != 0) return;
-  float4 t = red[warp][lane];
+  float4 t = red[warp * 32 + lane];
   for (int w = 1; w < W; ++w) {
-    const float4 v = red[warp + w][lane];
+    const float4 v = red[(warp + w) * 32 + lane];
     t.x += v.x;
     t.y += v.y;
     t.z += v.z;
@@ -525,7 +609,6 @@ int mla_decode_ctas_per_sm(int device, bool fp8) {
 void launch_mla_decode(const MlaParams& p, cudaStream_t stream) {
   int device = 0;
   cudaGetDevice(&device);
-  launch_mla_sched_line(p, stream);
   const bool deep = decode_deep(device, p.kv_fp8);
   if (p.kv_fp8) {
     if (deep) launch_decode_main<true, kDeepStagesFp8>(p, device, stream);
@@ -534,14 +617,15 @@ void launch_mla_decode(const MlaParams& p, cudaStream_t stream) {
     if (deep) launch_decode_main<false, kDeepStagesBf16>(p, device, stream);
     else launch_decode_main<false, kShallowStages>(p, device, stream);
   }
-  // combine teams: about 8 pieces a warp for the average request (at most (P + B) / B pieces), 1..8 warps
+  // combine teams: about 8 pieces a warp for the average request (at most (P + B) / B pieces), 1..32 warps
   const int avg_pieces = (p.num_parts + 2 * p.B - 1) / p.B;
   int team_log2 = 0;
   while (team_log2 < kCombineMaxTeamLog2 && (8 << team_log2) < avg_pieces) ++team_log2;
+  const int warps = (1 << team_log2) > 8 ? 1 << team_log2 : 8;  // a block: 8 warps, or one team of 16 / 32
   const int64_t teams = (int64_t)p.B * p.max_q * p.H * (kDV / 128);
-  const int per_block = 8 >> team_log2;
+  const int per_block = warps >> team_log2;
   const int blocks = static_cast<int>((teams + per_block - 1) / per_block);
-  mla_combine_wide_kernel<<<blocks, 256, 0, stream>>>(p, team_log2);
+  mla_combine_wide_kernel<<<blocks, 32 * warps, warps * 32 * sizeof(float4), stream>>>(p, team_log2);
 }
 
 }  // namespace ddtree

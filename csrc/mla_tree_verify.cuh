@@ -13,7 +13,8 @@ constexpr int kBM = 64;          // packed (node, head) rows per CTA
 constexpr int kSchedOverhead = 5;  // per-piece cost in KV tiles, used by the device scheduler
 constexpr int kMaxTreeTokens = 64;  // tree_bits is one uint64 per query
 
-// Device scheduler output, one int32 buffer. MP = B + P pieces at most (each piece ends a request or a part).
+// Split plan of the 64-row kernels' planner (mla_sched_kernel), one int32 buffer. MP = B + P pieces at most (each
+// piece ends a request or a part).
 struct SchedView {
   int* part_begin;   // [P+1] piece range of each part
   int* piece_req;    // [MP]
@@ -22,7 +23,6 @@ struct SchedView {
   int* piece_slot;   // [MP] workspace slot for split requests, -1 when the request has a single piece
   int* req_npieces;  // [B]
   int* req_slot0;    // [B] workspace slot of the request's first piece
-  int* scratch;      // [3B] the line planner's per-request tiles, line starts and first pieces (mla_sched_plan.cuh)
   __host__ __device__ SchedView(int* base, int B, int P) {
     const int mp = B + P;
     part_begin = base;
@@ -32,9 +32,17 @@ struct SchedView {
     piece_slot = piece_t1 + mp;
     req_npieces = piece_slot + mp;
     req_slot0 = req_npieces + B;
-    scratch = req_slot0 + B;
   }
-  static __host__ __device__ int64_t size(int B, int P) { return (P + 1) + 4 * (int64_t)(B + P) + 5 * (int64_t)B; }
+  static __host__ __device__ int64_t size(int B, int P) { return (P + 1) + 4 * (int64_t)(B + P) + 2 * (int64_t)B; }
+};
+
+// The decode variant's split buffer: only what its combine reads. Its kernel derives the pieces in every CTA
+// (mla_sched_plan.cuh) and writes these two arrays; nothing lists the pieces.
+struct DecodeSplitView {
+  int* req_npieces;  // [B] pieces of the request (0: no tiles)
+  int* req_slot0;    // [B] workspace slot of its first piece, -1 unless split
+  __host__ __device__ DecodeSplitView(int* base, int B) : req_npieces(base), req_slot0(base + B) {}
+  static __host__ __device__ int64_t size(int B) { return 2 * (int64_t)B; }
 };
 
 struct MlaParams {
@@ -63,7 +71,7 @@ struct MlaParams {
   int64_t lse_s0, lse_s1;
   // fixed launch geometry (host-known, never derived from seq_lens values)
   int B, H, max_q, num_parts, num_row_tiles;
-  int* sched;
+  int* sched;      // SchedView, or DecodeSplitView for the decode variant
   float* ws_o;    // [num_slots, max_q*H, 512] normalized fp32 partials
   float* ws_lse;  // [num_slots, max_q*H] base-2 lse of the partials
   int variant;    // kVariantPortable, kVariantResidentV or kVariantDecode
@@ -92,7 +100,7 @@ int mla_variant_block_n(int variant);
 // Decode variant: CTAs of its kernel that fit one SM of `device` (occupancy of the configuration it launches there),
 // or DDTREE_MLA_DECODE_CTAS_PER_SM when set. The binding sizes num_parts = this x SMs / row tiles.
 int mla_decode_ctas_per_sm(int device, bool fp8);
-// Decode variant launch: line planner, main kernel, wide combine (mla_decode_verify.cu).
+// Decode variant launch: main kernel (each CTA plans its own part), wide combine (mla_decode_verify.cu).
 void launch_mla_decode(const MlaParams& p, cudaStream_t stream);
 
 // Launches scheduler, main kernel and combine on `stream`. No host synchronization, no host reads of device data.

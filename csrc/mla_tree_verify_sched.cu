@@ -1,11 +1,8 @@
-// Device-side split-KV planners for the MLA tree-verify kernels.
-// They run inside the captured graph: read seq_lens / query_start_loc on the device and cut the concatenated
-// KV-tile sequence of all requests into P parts of about equal cost, so grid and workspace stay fixed.
-// - mla_sched_kernel: greedy, one thread (exact per-piece overhead accounting; B + P serial steps). Used by the
-//   64-row kernels (P = SMs / row tiles).
-// - mla_sched_line_kernel: the line planner of mla_sched_plan.cuh, parallel over requests and parts. Used by the
-//   decode kernel, whose P is several CTAs per SM.
-#include "mla_sched_plan.cuh"
+// Device-side split-KV planner of the 64-row MLA tree-verify kernels (P = SMs / row tiles parts).
+// It runs inside the captured graph: reads seq_lens / query_start_loc on the device and cuts the concatenated KV-tile
+// sequence of all requests into P parts of about equal cost, so grid and workspace stay fixed. Greedy, one thread
+// (exact per-piece overhead accounting; B + P serial steps). The decode kernel plans in each of its CTAs instead
+// (mla_sched_plan.cuh).
 #include "mla_tree_verify.cuh"
 
 namespace ddtree {
@@ -68,74 +65,6 @@ __global__ void mla_sched_kernel(const int* __restrict__ seq_lens, const int* __
 
 void launch_mla_sched(const MlaParams& p, cudaStream_t stream) {
   mla_sched_kernel<<<1, 256, p.B * sizeof(int), stream>>>(p.seq_lens, p.qsl, p.B, p.num_parts, p.block_n, p.sched);
-}
-
-namespace {
-
-constexpr int kLineThreads = 512;
-constexpr int kLineMinTiles = 8;  // a part holds >= 8 tiles' worth of line units (128 keys at the decode tiles)
-
-// Exclusive block-wide prefix sum of v (every thread calls it); total = the sum over the block.
-__device__ int block_excl_scan(int v, int* s_warp, int& total) {
-  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-  constexpr int kWarps = kLineThreads / 32;
-  int incl = v;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int y = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= o) incl += y;
-  }
-  if (lane == 31) s_warp[w] = incl;
-  __syncthreads();
-  if (w == 0) {
-    int t = lane < kWarps ? s_warp[lane] : 0;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, t, o);
-      if (lane >= o) t += y;
-    }
-    if (lane < kWarps) s_warp[lane] = t;  // inclusive prefix over warps
-  }
-  __syncthreads();
-  total = s_warp[kWarps - 1];
-  const int excl = incl - v + (w > 0 ? s_warp[w - 1] : 0);
-  __syncthreads();  // s_warp is reused by the next scan
-  return excl;
-}
-
-// One block; thread t owns the contiguous requests [t*chunk, (t+1)*chunk) for the prefix sums, then parts
-// t, t + 512, ... Per-request scratch lives in the sched buffer (global; __syncthreads orders it within the block).
-__global__ void __launch_bounds__(kLineThreads) mla_sched_line_kernel(const int* __restrict__ seq_lens,
-                                                                      const int* __restrict__ qsl, int B, int P,
-                                                                      int block_n, int* __restrict__ sched) {
-  __shared__ int s_warp[kLineThreads / 32];
-  SchedView sv(sched, B, P);
-  int* sK = sv.scratch;
-  int* sC = sK + B;
-  int* sS = sC + B;
-  const int tid = threadIdx.x;
-  const int chunk = (B + kLineThreads - 1) / kLineThreads;
-  const int b0 = min(B, tid * chunk), b1 = min(B, b0 + chunk);
-  int total = 0, np_total = 0, ns_total = 0;
-  const int csum = plan::chunk_cost(b0, b1, seq_lens, qsl, block_n, kSchedOverhead, sK);
-  const int cbase = block_excl_scan(csum, s_warp, total);
-  const int per = plan::part_len(total, P, kSchedOverhead, kLineMinTiles);
-  int np = 0, ns = 0;
-  plan::chunk_count(b0, b1, cbase, kSchedOverhead, per, sK, sC, np, ns);
-  const int pbase = block_excl_scan(np, s_warp, np_total);
-  const int sbase = block_excl_scan(ns, s_warp, ns_total);
-  plan::chunk_write(b0, b1, pbase, sbase, kSchedOverhead, per, sK, sC, sS, sv.req_npieces, sv.req_slot0);
-  __syncthreads();  // scratch and req_* of every chunk are visible to the whole block
-  for (int part = tid; part < P; part += kLineThreads)
-    plan::plan_part(part, B, total, per, kSchedOverhead, np_total, sK, sC, sS, sv.req_slot0, sv.part_begin,
-                    sv.piece_req, sv.piece_t0, sv.piece_t1, sv.piece_slot);
-  if (tid == 0) sv.part_begin[P] = np_total;
-}
-
-}  // namespace
-
-void launch_mla_sched_line(const MlaParams& p, cudaStream_t stream) {
-  mla_sched_line_kernel<<<1, kLineThreads, 0, stream>>>(p.seq_lens, p.qsl, p.B, p.num_parts, p.block_n, p.sched);
 }
 
 }  // namespace ddtree

@@ -3,8 +3,9 @@
 - decode_frag_check: the decode kernel's shared-memory layout and fragment addressing (csrc/mla_decode_layout.cuh),
   with emulated ldmatrix / mma.m16n8k16 at the kernel's lane addresses (QK and PV against direct products, bf16 and
   widened fp8 slices), bank-conflict freedom, and the coverage of its load and output maps;
-- sched_plan_check: the split-KV line planner's arithmetic (csrc/mla_sched_plan.cuh), emulating the device kernel's
-  threads and checking every invariant the decode kernel and the combine rely on."""
+- sched_plan_check: the decode kernel's split-KV line plan (csrc/mla_sched_plan.cuh): the global line planner it
+  replaced, checked against every invariant the kernel and the combine rely on, and the per-part derivation each CTA
+  now runs (emulating its threads), which must give exactly the same pieces, slots and per-request split counts."""
 
 from __future__ import annotations
 
@@ -37,6 +38,6 @@ def test_decode_fragments(tmp_path: Path) -> None:
 
 
 @needs_cxx
-def test_line_planner_invariants(tmp_path: Path) -> None:
+def test_line_plan_per_part(tmp_path: Path) -> None:
     out = run_harness("sched_plan_check", tmp_path)
     assert "0 failed" in out, out
