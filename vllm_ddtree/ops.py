@@ -19,6 +19,10 @@ _HEADERS = ("mla_tree_verify.cuh", "mla_device_utils.cuh", "mla_decode_layout.cu
             "host_device.cuh")
 _lock = threading.Lock()
 _loaded = False
+# DDTREE_MLA_VARIANT values (read by the kernel at each launch; unset = auto): auto picks per launch (the decode
+# kernel at few rows a request, else resident-V on sm_90, portable elsewhere); the others force one, for tests and
+# benchmarks (decode-shallow: the decode kernel with the 2-stage ring of 100-KB-per-SM GPUs such as sm_120).
+KERNEL_VARIANTS = ("auto", "portable", "decode", "decode-shallow")
 
 
 def csrc_dir() -> Path:
@@ -86,6 +90,14 @@ def _rows16(t: torch.Tensor) -> torch.Tensor:
     return t if ok else t.contiguous()
 
 
+def check_kernel_variant() -> str:
+    """``DDTREE_MLA_VARIANT``, refused with the accepted values when unknown (the kernel would take it for auto)."""
+    value = os.environ.get("DDTREE_MLA_VARIANT", "auto")
+    if value not in KERNEL_VARIANTS:
+        raise ValueError(f"DDTREE_MLA_VARIANT must be one of {', '.join(KERNEL_VARIANTS)} (or unset), got {value!r}")
+    return value
+
+
 def mla_tree_verify(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -115,6 +127,7 @@ def mla_tree_verify(
         raise ValueError(f"kv_cache must be [blocks, block_size, 576], got {tuple(kv_cache.shape)}")
     if kv_cache.dtype == torch.float8_e4m3fn:
         kv_cache = kv_cache.view(torch.uint8)
+    check_kernel_variant()
     q_nope, q_pe = _rows16(q_nope), _rows16(q_pe)
     load_extension()
     torch.ops.ddtree.mla_tree_verify(
