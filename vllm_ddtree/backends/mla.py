@@ -4,7 +4,9 @@ vLLM's MLA common code keeps prefill (vLLM's MLA prefill path) and absorbs the d
 is ``ddtree::mla_tree_verify``, which reads each request's latent cache once for all its tree rows and heads and
 applies the per-token ancestor words. On Hopper with a bf16 cache in 64-token pages, where vLLM ships FlashMLA, the
 decode is split instead: FlashMLA attends each row's context (every key before the request's tree, no mask) and
-``mla_tree_tail`` the tree keys, merged by log-sum-exp (``DDTREE_MLA_CONTEXT=ddtree`` keeps our kernel for all).
+``mla_tree_tail`` the tree keys, merged by log-sum-exp — except for launches of few rows a request (plain decode and
+tiny trees at few heads), which our decode kernel reads faster. ``DDTREE_MLA_CONTEXT`` overrides: ``flashmla`` splits
+every launch, ``ddtree`` keeps our kernel for all.
 Rows with up to 64 tokens take the decode path (``QueryLenSupport.VARLEN``, reorder threshold 64): tree rows get
 their tree words from the runner's ``prepare_attn`` hook, every other short row is causal. Without a DDTree runner
 in the process the builder writes causal words itself, so the backend is also a correct plain MLA decode backend.
@@ -54,17 +56,35 @@ class DDTreeMLAMetadata(MLACommonMetadata[DDTreeMLADecodeMetadata]):
     pass
 
 
+# Launches of at most this many packed rows a request (query width x heads) keep our decode kernel in auto mode: on
+# the H200 it read 8-16 rows a request in 66 / 95 / 102 us where the FlashMLA split took 87 / 100 / 107 us
+# (bench/kernel_mla.py --baselines --shapes memory-bound); at 32 rows the split tied or won at 2 of 3 shapes.
+OWN_KERNEL_MAX_ROWS = 16
+
+
+def context_choice() -> str:
+    """``DDTREE_MLA_CONTEXT``: auto (the default), flashmla or ddtree."""
+    choice = os.environ.get("DDTREE_MLA_CONTEXT", "auto")
+    if choice not in ("auto", "flashmla", "ddtree"):
+        raise ValueError(f"DDTREE_MLA_CONTEXT must be 'auto', 'flashmla' or 'ddtree', got {choice!r}")
+    return choice
+
+
 def flashmla_context_enabled(vllm_config: Any, block_size: int) -> bool:
-    """Whether the decode's context keys go to FlashMLA: Hopper with vLLM's FlashMLA, a bf16 model and cache in
+    """Whether decode context keys can go to FlashMLA: Hopper with vLLM's FlashMLA, a bf16 model and cache in
     64-token pages, unless ``DDTREE_MLA_CONTEXT=ddtree``."""
     from vllm.v1.attention.ops.flashmla import is_flashmla_dense_supported
 
-    choice = os.environ.get("DDTREE_MLA_CONTEXT", "flashmla")
-    if choice not in ("flashmla", "ddtree"):
-        raise ValueError(f"DDTREE_MLA_CONTEXT must be 'flashmla' or 'ddtree', got {choice!r}")
     cache_dtype = vllm_config.cache_config.cache_dtype
-    return (choice == "flashmla" and block_size == 64 and vllm_config.model_config.dtype == torch.bfloat16
+    return (context_choice() != "ddtree" and block_size == 64 and vllm_config.model_config.dtype == torch.bfloat16
             and cache_dtype in ("auto", "bfloat16") and is_flashmla_dense_supported()[0])  # fmt: skip
+
+
+def split_this_launch(choice: str, width: int, num_heads: int) -> bool:
+    """Whether a decode launch where FlashMLA can take the context uses the split: always when forced, else unless
+    its rows a request (``width`` query tokens x ``num_heads``) are few enough for our decode kernel. ``width`` is
+    the uniform query length of a FULL graph's batch, so the choice is fixed per graph."""
+    return choice == "flashmla" or width * num_heads > OWN_KERNEL_MAX_ROWS
 
 
 def padded_query_rows(query_start_loc: torch.Tensor, width: int, num_tokens: int, cols: torch.Tensor) -> torch.Tensor:
@@ -105,6 +125,8 @@ class DDTreeMLAMetadataBuilder(MLACommonMetadataBuilder[DDTreeMLAMetadata]):
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self._causal_bits = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
         self._flashmla_context = flashmla_context_enabled(vllm_config, kv_cache_spec.block_size)
+        self._context_choice = context_choice()
+        self._num_heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
         if self._flashmla_context:
             max_reqs = vllm_config.scheduler_config.max_num_seqs
             self._context_lens = torch.zeros(max_reqs, dtype=torch.int32, device=device)
@@ -124,7 +146,7 @@ class DDTreeMLAMetadataBuilder(MLACommonMetadataBuilder[DDTreeMLAMetadata]):
             block_table=block_table_tensor, seq_lens=seq_lens_device, dcp_tot_seq_lens=dcp_tot_seq_lens_device,
             query_start_loc=query_start_loc_device, max_query_len=width, causal_token_bits=self._causal_bits,
         )  # fmt: skip
-        if self._flashmla_context:
+        if self._flashmla_context and split_this_launch(self._context_choice, width, self._num_heads):
             self._plan_flashmla_context(decode, num_decode_tokens, uniform_query_rows(qsl, width))
         return decode
 
