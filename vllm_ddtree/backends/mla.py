@@ -57,8 +57,8 @@ class DDTreeMLAMetadata(MLACommonMetadata[DDTreeMLADecodeMetadata]):
 
 
 # Launches of at most this many packed rows a request (query width x heads) keep our decode kernel in auto mode: on
-# the H200 it read 8-16 rows a request in 66 / 95 / 102 us where the FlashMLA split took 87 / 100 / 107 us
-# (bench/kernel_mla.py --baselines --shapes memory-bound); at 32 rows the split tied or won at 2 of 3 shapes.
+# the H200 it read 8-16 rows a request in 61.6 / 91.7 / 100.9 us where the FlashMLA split took 90.2 / 104.3 / 111.7 us
+# (bench/kernel_mla.py --baselines --shapes memory-bound, 2026-12-01); at 32 rows the split won (94.4 against 90.6 us).
 OWN_KERNEL_MAX_ROWS = 16
 
 
