@@ -14,7 +14,9 @@
 #   tests        the gpu-marked tests: end to end + top-k | kernels and backends
 #   profile      Kimi-K2-attention MLA, budgets 8 16, 32k, batch 1: a torch.profiler table per config (V2 chain, ddtree)
 #   offsets      MLA budgets 16 8, batch 1: V2 chain + ddtree paired and pinned, 15 alternating repeats (one lane)
-#   jobs:FILE    the jobs listed in FILE, one per line: LANE NAME ARGS... (runs python3 ARGS; $RESULTS expands)
+#   jobs:FILE    the jobs listed in FILE, one per line: LANE NAME [K=V ...] ARGS... (runs python3 ARGS with those
+#                environment variables, e.g. VLLM_DDTREE_CSRC=DIR for a kernel A/B; $RESULTS expands; words split
+#                on blanks, so no quoted arguments)
 # The background form outlives the command that started it (a new process session), so a remote command of limited
 # length can start a long queue and later ones can poll it; poll packs everything into $OUT/results.tgz when $OUT is
 # set (one file: remote runners may return only a few).
@@ -25,7 +27,7 @@ JOB_TIMEOUT="${JOB_TIMEOUT:-560}"
 export VLLM_USE_FLASHINFER_SAMPLER="${VLLM_USE_FLASHINFER_SAMPLER:-0}" HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" RESULTS
 cd "$ROOT"
 
-# jobs STAGE: one line per job, "LANE NAME ARGS..." (python3 ARGS; LANE 0 or 1)
+# jobs STAGE: one line per job, "LANE NAME [K=V ...] ARGS..." (python3 ARGS; LANE 0 or 1)
 jobs_of() {
   local r=$RESULTS tag budgets
   case "$1" in
@@ -65,8 +67,12 @@ lane() {
     while read -r l name args; do
       [ "$lanes" -ge 2 ] && [ "$l" != "$n" ] && continue
       start=$(date +%s)
+      local envs=() cmd=() tok
       # shellcheck disable=SC2086
-      timeout -k 20 "$JOB_TIMEOUT" python3 $args > "$RESULTS/$name.log" 2>&1 < /dev/null
+      for tok in $args; do  # leading K=V words: environment of this job (A/B of kernel sources, knobs)
+        if [ ${#cmd[@]} -eq 0 ] && [[ $tok =~ ^[A-Za-z_][A-Za-z0-9_]*= ]]; then envs+=("$tok"); else cmd+=("$tok"); fi
+      done
+      timeout -k 20 "$JOB_TIMEOUT" env "${envs[@]}" python3 "${cmd[@]}" > "$RESULTS/$name.log" 2>&1 < /dev/null
       rc=$?
       echo "$name: rc $rc, $(( $(date +%s) - start )) s" >> "$RESULTS/done"
     done < <(jobs_of "$stage")

@@ -125,3 +125,19 @@ def test_unknown_kernel_variant_is_refused(monkeypatch: pytest.MonkeyPatch) -> N
         assert ops.check_kernel_variant() == value
     monkeypatch.delenv("DDTREE_MLA_VARIANT")
     assert ops.check_kernel_variant() == "auto"
+
+
+def test_csrc_override_is_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """VLLM_DDTREE_CSRC (A/B of kernel sources) may be relative; the build gets it absolute (its ninja file names
+    the sources from the build directory), and a directory without the sources fails with the fix."""
+    pytest.importorskip("torch")
+    from vllm_ddtree import ops
+
+    (tmp_path / "other" / "csrc").mkdir(parents=True)
+    (tmp_path / "other" / "csrc" / "bindings.cpp").write_text("// stand-in\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("VLLM_DDTREE_CSRC", "other/csrc")
+    assert ops.csrc_dir() == (tmp_path / "other" / "csrc").resolve()
+    monkeypatch.setenv("VLLM_DDTREE_CSRC", "other")
+    with pytest.raises(FileNotFoundError, match="point it at a csrc/ tree"):
+        ops.csrc_dir()

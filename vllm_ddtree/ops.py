@@ -32,7 +32,7 @@ def csrc_dir() -> Path:
     if override:
         if not (Path(override) / _SOURCES[0]).is_file():
             raise FileNotFoundError(f"VLLM_DDTREE_CSRC={override} has no {_SOURCES[0]}; point it at a csrc/ tree")
-        return Path(override)
+        return Path(override).resolve()  # absolute: the build files name the sources
     here = Path(__file__).resolve().parent
     for cand in (here / "csrc", here.parent / "csrc"):
         if (cand / _SOURCES[0]).is_file():
