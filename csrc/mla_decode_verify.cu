@@ -472,11 +472,12 @@ __global__ void __launch_bounds__(kDecThreads, kDecMinBlocks) mla_decode_verify_
 // the few pieces of large batches (few blocks, about one wave). A block holds max(8, W) warps. The partials' reads
 // are chains of dependent rounds, a memory latency each, so the team size, not the bytes, sets the time: H200,
 // device time (2026-12-01): B = 64 x 4k, H 16: 15.4 us with blocks of 8 warps per row, 6.5 with single-warp teams;
-// B = 1 x 128k, H 8: 12.7 us with a team of 8 (~50 pieces a warp, 4 loads in flight). Every warp of a team computes
-// the same log-sum-exp weights over all pieces (max, then sum: loops the compiler unrolls with their loads
-// together; a fused online max-and-sum had them interleaved with the math, a memory latency each: 15.3 us at
-// B = 1); warp k of the team accumulates pieces k, k + W, ... (lane: 4 dims), and the team's first warp adds the W
-// sums in order. Fixed order throughout: deterministic. Teams of rows without a split exit.
+// B = 1 x 128k, H 8: 12.9 us with a team of 8 (~50 pieces a warp, 4 loads in flight), 9.1 with a team of 32 (~12 a
+// warp; A/B in one session). Every warp of a team computes the same log-sum-exp weights over all pieces (max, then
+// sum: loops the compiler unrolls with their loads together; a fused online max-and-sum had them interleaved with the
+// math, a memory latency each: 15.3 us at B = 1); warp k of the team accumulates pieces k, k + W, ... (lane: 4
+// dims), and the team's first warp adds the W sums in order. Fixed order throughout: deterministic. Teams of rows
+// without a split exit.
 constexpr int kCombineMaxTeamLog2 = 5;
 
 __global__ void __launch_bounds__(1024) mla_combine_wide_kernel(const MlaParams p, int team_log2) {
