@@ -172,7 +172,7 @@ __global__ void __launch_bounds__(kDecThreads, kDecMinBlocks<KSUB>) mla_decode_v
 
   const uint32_t sbase = smem_u32(smem);
   const uint32_t ring = sbase + C::kOffRing + warp * STAGES * C::kSlot;  // this warp's STAGES slots
-  const uint32_t conv = sbase + C::kOffConv + warp * dec::kSliceBf;     // fp8: this warp's widened slice
+  const uint32_t conv = sbase + C::kOffConv + warp * dec::kSliceBf * KSUB;  // fp8: this warp's widened slices
   // Q staging: the warp's last ring slot (bf16; first refilled by the first tile's prefetch, after Q is in
   // registers) or its widening buffer (fp8; first written by the first tile's widening, same ordering).
   const uint32_t qstage = FP8 ? conv : ring + (STAGES - 1) * C::kSlot;
