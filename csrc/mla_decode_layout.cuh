@@ -23,7 +23,7 @@ namespace ddtree {
 namespace dec {
 
 constexpr int kRows = 16;            // query rows per CTA (one m16 tile)
-constexpr int kBN = 16;              // keys per KV tile
+constexpr int kBN = 16;              // keys per slice (a KV tile holds 1 or 2 slices: KSUB)
 constexpr int kWarps = 4;
 constexpr int kSliceBf = 4608;       // bf16 slice: 16 x (256 + 32) B
 constexpr int kRopeOff = 4096;
@@ -89,8 +89,9 @@ DDTREE_HD void fp8_unit(int i, int w, int& r, uint32_t& raw_off, int& dim, uint3
   }
 }
 
-// S exchange: float offset of lane's 8 partial sums (n-tile nt, element e at + nt*4 + e) of warp w in buffer xb.
-DDTREE_HD int xs_off(int xb, int w, int lane) { return ((xb * kWarps + w) * 32 + lane) * 8; }
+// S exchange of a tile of nk / 2 16-key slices: float offset of lane's float4 k (0 .. nk - 1: slice k / 2, n-tile
+// k % 2, elements 0..3) of warp w in buffer xb. Consecutive lanes hold consecutive float4s (conflict-free).
+DDTREE_HD int xs_off(int xb, int w, int k, int lane, int nk) { return (((xb * kWarps + w) * nk + k) * 32 + lane) * 4; }
 
 // O n-tile j (0..15), accumulator e (0..3) of lane (g = lane>>2, q4 = lane&3) in warp w: row g + 8*(e>>1), dim:
 DDTREE_HD int o_dim(int w, int j, int q4, int e) { return 128 * w + 8 * j + 2 * q4 + (e & 1); }

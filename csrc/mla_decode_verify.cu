@@ -15,6 +15,11 @@
 //   of PV (no P in shared memory);
 // - PV: warp w computes O[16 x 128] for its own latent dims (64 fp32 registers), from the V bytes it loaded itself.
 // fp8 caches: each warp widens its own raw slice to bf16 (warp-local, no barrier).
+// Tiles of KSUB 16-key slices (the "deep" configuration of sm_80 / sm_90: KSUB = 2, two CTAs an SM; sm_120's
+// "shallow" one: KSUB = 1): a 32-key tile costs one S exchange and one block barrier, the per-tile chain of
+// exchange, barrier and softmax is paid once per 32 keys and each warp has twice the independent mma between
+// barriers. Slice h of a tile lies at h * slice bytes in the warp's ring slot; a slice wholly past L is zero-filled.
+// Below, "16-key tile" reads "slice" where KSUB = 2.
 // Split-KV: the requests' tiles are cut into P = CTAs per SM x SMs parts by the line plan of mla_sched_plan.cuh, and
 // CTA (rt, part) derives its part's pieces (request, tile range, workspace slot) itself at its start (part_plan: two
 // block scans over the requests, then a walk from the part's first request), so no planner kernel runs before it
@@ -63,27 +68,33 @@ namespace {
 using namespace dev;
 
 constexpr int kDecThreads = 128;
-constexpr int kDecMinBlocks = 3;  // __launch_bounds__: <= 168 registers, so 3 CTAs fit an SM's 64K registers
+// __launch_bounds__ minimum CTAs an SM: 16-key tiles <= 168 registers (3 CTAs in 64K registers), 32-key tiles 2
+template <int KSUB>
+constexpr int kDecMinBlocks = KSUB == 1 ? 3 : 2;
 
-template <bool FP8, int STAGES>
+// KSUB: 16-key slices per KV tile (1 or 2): the tile's keys share one S exchange and one block barrier.
+template <bool FP8, int STAGES, int KSUB>
 struct DecCfg {
-  static constexpr int kSlot = FP8 ? dec::kSliceFp8 : dec::kSliceBf;  // one warp's part of one ring stage
-  static constexpr int kOffRing = 0;                                   // [warp][stage] slots
-  static constexpr int kOffConv = kOffRing + dec::kWarps * STAGES * kSlot;  // fp8: [warp] widened bf16 slice
-  static constexpr int kOffX = kOffConv + (FP8 ? dec::kWarps * dec::kSliceBf : 0);
-  static constexpr int kXBuf = dec::kWarps * 32 * 8 * 4;  // one S exchange buffer: [warp][lane][8] fp32
+  static constexpr int kTileKeys = dec::kBN * KSUB;
+  static constexpr int kSlot = (FP8 ? dec::kSliceFp8 : dec::kSliceBf) * KSUB;  // one warp's part of one stage
+  static constexpr int kOffRing = 0;                                            // [warp][stage] slots
+  static constexpr int kOffConv = kOffRing + dec::kWarps * STAGES * kSlot;  // fp8: [warp] widened bf16 slices
+  static constexpr int kOffX = kOffConv + (FP8 ? dec::kWarps * dec::kSliceBf * KSUB : 0);
+  static constexpr int kXF4 = 2 * KSUB;                         // float4s of partial S a lane hands over per tile
+  static constexpr int kXBuf = dec::kWarps * 32 * kXF4 * 16;    // one S exchange buffer, bytes
   static constexpr int kSmem = kOffX + 2 * kXBuf;
+  static_assert(KSUB == 1 || KSUB == 2, "tiles of 16 or 32 keys");
   static_assert(STAGES >= 2, "the ring needs a stage in flight while one is computed");
-  static_assert(kSmem <= 101376, "decode variant must fit sm_120's 99 KB per block");
+  static_assert(kSmem <= 232448, "must fit sm_90's 227 KB per block");
   static_assert(kOffX % 16 == 0 && kSlot % 128 == 0, "16-byte aligned buffers");
-  static constexpr int kLoadIts = FP8 ? 5 : 9;  // cp.async units per lane per tile (fp8: 4.5)
+  static constexpr int kLoadIts = FP8 ? 5 : 9;  // cp.async units per lane per slice (fp8: 4.5)
 };
 
-// Ring depths: "deep" where two CTAs of it still fit an SM (sm_80 / sm_90: 3 CTAs on sm_90), "shallow" (2 stages,
-// two ~45 KB CTAs per SM) on 100 KB-per-SM GPUs (sm_86 / sm_89 / sm_120).
-constexpr int kDeepStagesBf16 = 3;  // 63,488 B
-constexpr int kDeepStagesFp8 = 5;   // 72,704 B
-constexpr int kShallowStages = 2;   // 45,056 B (bf16 and fp8)
+// Configurations. Deep (two CTAs fit an SM: sm_80 / sm_90): 32-key tiles, 2 bf16 / 3 fp8 stages (90,112 / 108,544 B,
+// 2 CTAs an SM). Shallow (100 KB-per-SM GPUs: sm_86 / sm_89 / sm_120, or DDTREE_MLA_VARIANT=decode-shallow): 16-key
+// tiles, 2 stages (45,056 B, two CTAs an SM).
+constexpr int kDeepSub = 2, kDeepStagesBf16 = 2, kDeepStagesFp8 = 3;
+constexpr int kShallowSub = 1, kShallowStages = 2;
 
 // Inclusive prefix sum of v over the warp.
 __device__ __forceinline__ int warp_incl_scan(int v) {
@@ -111,13 +122,13 @@ struct PartShared {
 // visits them); the others from the walk. The walk reads the slots, per and hi from s at every piece rather than
 // keeping them in registers: live across the tile loop, they made ptxas spill (sm_90: bf16 2-stage 8 B, fp8 5-stage
 // 4 B).
-__device__ __forceinline__ void part_plan(const MlaParams& p, int part, bool zero_empty, PartShared& s) {
+__device__ __forceinline__ void part_plan(const MlaParams& p, int part, int bn, bool zero_empty, PartShared& s) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int chunk = (p.B + kDecThreads - 1) / kDecThreads;
   const int b0 = min(p.B, static_cast<int>(threadIdx.x) * chunk), b1 = min(p.B, b0 + chunk);
   const DecodeSplitView sv(p.sched, p.B);
   // ---- scan 1: line costs
-  const int cost = plan::range_cost(b0, b1, p.seq_lens, p.qsl, dec::kBN, kSchedOverhead,
+  const int cost = plan::range_cost(b0, b1, p.seq_lens, p.qsl, bn, kSchedOverhead,
                                     zero_empty ? sv.req_npieces : nullptr, sv.req_slot0);
   const int cincl = warp_incl_scan(cost);
   if (lane == 31) s.warp_cost[warp] = cincl;
@@ -132,7 +143,7 @@ __device__ __forceinline__ void part_plan(const MlaParams& p, int part, bool zer
   const int x = part * per;
   // ---- scan 2: split requests' slots
   plan::PartCursor cur{-1, 0, 0, 0};
-  const int ns = plan::range_slots(b0, b1, cbase, x, per, p.seq_lens, p.qsl, dec::kBN, kSchedOverhead, cur);
+  const int ns = plan::range_slots(b0, b1, cbase, x, per, p.seq_lens, p.qsl, bn, kSchedOverhead, cur);
   const int gincl = warp_incl_scan(ns);
   if (lane == 31) s.warp_slots[warp] = gincl;
   __syncthreads();
@@ -150,9 +161,10 @@ __device__ __forceinline__ void part_plan(const MlaParams& p, int part, bool zer
   __syncthreads();
 }
 
-template <bool FP8, int STAGES>
-__global__ void __launch_bounds__(kDecThreads, kDecMinBlocks) mla_decode_verify_kernel(const MlaParams p) {
-  using C = DecCfg<FP8, STAGES>;
+template <bool FP8, int STAGES, int KSUB>
+__global__ void __launch_bounds__(kDecThreads, kDecMinBlocks<KSUB>) mla_decode_verify_kernel(const MlaParams p) {
+  using C = DecCfg<FP8, STAGES, KSUB>;
+  constexpr int kTK = C::kTileKeys;
   extern __shared__ __align__(128) uint8_t smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, q4 = lane & 3;
@@ -160,14 +172,14 @@ __global__ void __launch_bounds__(kDecThreads, kDecMinBlocks) mla_decode_verify_
 
   const uint32_t sbase = smem_u32(smem);
   const uint32_t ring = sbase + C::kOffRing + warp * STAGES * C::kSlot;  // this warp's STAGES slots
-  const uint32_t conv = sbase + C::kOffConv + warp * dec::kSliceBf;     // fp8: this warp's widened slice
+  const uint32_t conv = sbase + C::kOffConv + warp * dec::kSliceBf * KSUB;  // fp8: this warp's widened slices
   // Q staging: the warp's last ring slot (bf16; first refilled by the first tile's prefetch, after Q is in
   // registers) or its widening buffer (fp8; first written by the first tile's widening, same ordering).
   const uint32_t qstage = FP8 ? conv : ring + (STAGES - 1) * C::kSlot;
   float* xs = reinterpret_cast<float*>(smem + C::kOffX);
 
   __shared__ PartShared plan_s;  // static, 56 B (128 B of the CTA's shared memory with the dynamic buffer's alignment)
-  part_plan(p, part, rt == 0 && part == 0, plan_s);
+  part_plan(p, part, kTK, rt == 0 && part == 0, plan_s);
   const int page_mask = (1 << p.page_log2) - 1;
   const bool big_pages = p.page_log2 >= 4;  // a 16-key tile (16-aligned) then lies in one page
   const int row_bytes = static_cast<int>(p.kv_row_stride);  // < 2^31 (checked by the binding)
@@ -179,7 +191,7 @@ __global__ void __launch_bounds__(kDecThreads, kDecMinBlocks) mla_decode_verify_
     const int q0 = p.qsl[b];
     const int n = p.qsl[b + 1] - q0;
     const int L = p.seq_lens[b];
-    const int k = plan::req_tiles(n, L, dec::kBN);
+    const int k = plan::req_tiles(n, L, kTK);
     if (k == 0) continue;  // q_len 0 (graph padding) or L = 0: no piece, no block-table read, no write
     plan::PartPiece pc;
     const int slots_before = b == plan_s.cur.b ? plan_s.cur.g : plan_s.cur.g_next;
@@ -196,7 +208,7 @@ __global__ void __launch_bounds__(kDecThreads, kDecMinBlocks) mla_decode_verify_
     const int tree_start = L - n;
     const int* bt = p.block_table + (int64_t)b * p.bt_stride;
 
-    // this warp's dims of the 16 keys of `tile` -> ring slot at `dst` (keys >= L zero-filled, block table untouched)
+    // this warp's dims of the keys of `tile` -> ring slot at `dst` (keys >= L zero-filled, block table untouched)
     auto unit_of = [&](int i, int& r, uint32_t& off, int& col) {  // col: byte column in the cache row
       int dim;
       if constexpr (FP8) {
@@ -209,35 +221,41 @@ __global__ void __launch_bounds__(kDecThreads, kDecMinBlocks) mla_decode_verify_
       }
     };
     auto issue = [&](int tile, uint32_t dst) {
-      const int key0 = tile * dec::kBN;  // < L: tile < t1 <= ceil(L / 16)
-      const int nvalid = L - key0;       // rows r < nvalid of the tile are keys < L
-      // every unit of this warp's slice: its 16 bytes from src_of(row r of the tile, byte column col)
-      auto load_units = [&](auto src_of) {
 #pragma unroll
-        for (int it = 0; it < C::kLoadIts; ++it) {
-          const int i = lane + 32 * it;
-          if (FP8 && i >= dec::kUnitsFp8) continue;
-          int r, col;
-          uint32_t off;
-          unit_of(i, r, off, col);
-          cp_async16(dst + off, src_of(r, col), r < nvalid);
+      for (int h = 0; h < KSUB; ++h) {  // the tile's 16-key slices, one after the other in the warp's slot
+        const int key0 = tile * kTK + h * dec::kBN;  // slice 0: < L (tile < t1 <= ceil(L / kTK)); slice 1 may not be
+        const int nvalid = L - key0;                  // rows r < nvalid of the slice are keys < L
+        const uint32_t sdst = dst + h * (C::kSlot / KSUB);
+        // every unit of this warp's slice: its 16 bytes from src_of(row r of the slice, byte column col)
+        auto load_units = [&](auto src_of) {
+#pragma unroll
+          for (int it = 0; it < C::kLoadIts; ++it) {
+            const int i = lane + 32 * it;
+            if (FP8 && i >= dec::kUnitsFp8) continue;
+            int r, col;
+            uint32_t off;
+            unit_of(i, r, off, col);
+            cp_async16(sdst + off, src_of(r, col), r < nvalid);
+          }
+        };
+        if (KSUB > 1 && nvalid <= 0) {  // a slice wholly past L: zero-filled, no block-table read
+          load_units([&](int, int) { return p.kv; });
+        } else if (big_pages) {
+          // One page holds the whole slice (16-aligned, >= 16 tokens a page): one block-table read; rows past L are
+          // still inside that page, so their address is formed unconditionally (src-size 0 reads nothing).
+          const uint8_t* base = p.kv + (int64_t)bt[key0 >> p.page_log2] * p.kv_page_stride +
+                                (int64_t)(key0 & page_mask) * p.kv_row_stride;
+          load_units([&](int r, int col) { return base + (r * row_bytes + col); });
+        } else {  // pages of fewer than 16 tokens: a block-table read per key
+          load_units([&](int r, int col) {
+            const int key = key0 + r;
+            const uint8_t* src = p.kv;
+            if (r < nvalid)
+              src += (int64_t)bt[key >> p.page_log2] * p.kv_page_stride +
+                     (int64_t)(key & page_mask) * p.kv_row_stride + col;
+            return src;
+          });
         }
-      };
-      if (big_pages) {
-        // One page holds the whole tile (16-aligned, >= 16 tokens a page): one block-table read; rows past L are
-        // still inside that page, so their address is formed unconditionally (src-size 0 reads nothing).
-        const uint8_t* base = p.kv + (int64_t)bt[key0 >> p.page_log2] * p.kv_page_stride +
-                              (int64_t)(key0 & page_mask) * p.kv_row_stride;
-        load_units([&](int r, int col) { return base + (r * row_bytes + col); });
-      } else {  // pages of fewer than 16 tokens: a block-table read per key
-        load_units([&](int r, int col) {
-          const int key = key0 + r;
-          const uint8_t* src = p.kv;
-          if (r < nvalid)
-            src += (int64_t)bt[key >> p.page_log2] * p.kv_page_stride + (int64_t)(key & page_mask) * p.kv_row_stride +
-                   col;
-          return src;
-        });
       }
     };
 
@@ -298,65 +316,66 @@ __global__ void __launch_bounds__(kDecThreads, kDecMinBlocks) mla_decode_verify_
       __syncwarp();                 // ... for every lane's copies
       uint32_t kvb = ring + rd * C::kSlot;
       rd = rd + 1 == STAGES ? 0 : rd + 1;
-      if constexpr (FP8) {  // widen this warp's raw slice into its bf16 slice
+      if constexpr (FP8) {  // widen this warp's raw slices into its bf16 slices
 #pragma unroll
-        for (int it = 0; it < C::kLoadIts; ++it) {
-          const int i = lane + 32 * it;
-          if (i >= dec::kUnitsFp8) continue;
-          int r, dim;
-          uint32_t off, d0, d1;
-          dec::fp8_unit(i, warp, r, off, dim, d0, d1);
-          uint4 w[2];
-          fp8x16_to_bf16(lds128(kvb + off), w);
-          sts128(conv + d0, w[0]);
-          sts128(conv + d1, w[1]);
-        }
+        for (int h = 0; h < KSUB; ++h)
+#pragma unroll
+          for (int it = 0; it < C::kLoadIts; ++it) {
+            const int i = lane + 32 * it;
+            if (i >= dec::kUnitsFp8) continue;
+            int r, dim;
+            uint32_t off, d0, d1;
+            dec::fp8_unit(i, warp, r, off, dim, d0, d1);
+            uint4 w[2];
+            fp8x16_to_bf16(lds128(kvb + h * dec::kSliceFp8 + off), w);
+            sts128(conv + h * dec::kSliceBf + d0, w[0]);
+            sts128(conv + h * dec::kSliceBf + d1, w[1]);
+          }
         __syncwarp();
         kvb = conv;
       }
 
-      // ---- partial S[16 rows x 16 keys] over this warp's 144 dims
-      float s[2][4];
+      // ---- partial S[16 rows x kTK keys] over this warp's 144 dims; n-tile k: keys 8k .. 8k + 7 of the tile
+      constexpr int kNT = 2 * KSUB;
+      float s[kNT][4];
 #pragma unroll
-      for (int nt2 = 0; nt2 < 2; ++nt2)
+      for (int k = 0; k < kNT; ++k)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[nt2][e] = 0.f;
+        for (int e = 0; e < 4; ++e) s[k][e] = 0.f;
 #pragma unroll
-      for (int kk = 0; kk < dec::kKSteps; ++kk) {
-        uint32_t bq[4];
-        ldsm_x4(bq, kvb + dec::kb_addr(lane, kk));
-        mma_bf16(s[0], qa[kk], bq[0], bq[1]);  // keys 0-7
-        mma_bf16(s[1], qa[kk], bq[2], bq[3]);  // keys 8-15
-      }
+      for (int kk = 0; kk < dec::kKSteps; ++kk)
+#pragma unroll
+        for (int h = 0; h < KSUB; ++h) {
+          uint32_t bq[4];
+          ldsm_x4(bq, kvb + h * dec::kSliceBf + dec::kb_addr(lane, kk));
+          mma_bf16(s[2 * h], qa[kk], bq[0], bq[1]);      // keys 16h + 0-7
+          mma_bf16(s[2 * h + 1], qa[kk], bq[2], bq[3]);  // keys 16h + 8-15
+        }
 
       // ---- the 4 partial sums -> full S in every warp (same order everywhere: bit-identical across warps)
-      {
-        float4* mine = reinterpret_cast<float4*>(xs + dec::xs_off(xb, warp, lane));
-        mine[0] = make_float4(s[0][0], s[0][1], s[0][2], s[0][3]);
-        mine[1] = make_float4(s[1][0], s[1][1], s[1][2], s[1][3]);
-      }
+#pragma unroll
+      for (int k = 0; k < kNT; ++k)
+        *reinterpret_cast<float4*>(xs + dec::xs_off(xb, warp, k, lane, kNT)) =
+            make_float4(s[k][0], s[k][1], s[k][2], s[k][3]);
       __syncthreads();  // the tile's only block barrier (the other buffer is rewritten only after the next one)
 #pragma unroll
-      for (int nt2 = 0; nt2 < 2; ++nt2)
+      for (int k = 0; k < kNT; ++k)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[nt2][e] = 0.f;
+        for (int e = 0; e < 4; ++e) s[k][e] = 0.f;
 #pragma unroll
-      for (int w = 0; w < dec::kWarps; ++w) {
-        const float4* src = reinterpret_cast<const float4*>(xs + dec::xs_off(xb, w, lane));
-        const float4 a = src[0], c = src[1];
-        s[0][0] += a.x;
-        s[0][1] += a.y;
-        s[0][2] += a.z;
-        s[0][3] += a.w;
-        s[1][0] += c.x;
-        s[1][1] += c.y;
-        s[1][2] += c.z;
-        s[1][3] += c.w;
-      }
+      for (int w = 0; w < dec::kWarps; ++w)
+#pragma unroll
+        for (int k = 0; k < kNT; ++k) {
+          const float4 a = *reinterpret_cast<const float4*>(xs + dec::xs_off(xb, w, k, lane, kNT));
+          s[k][0] += a.x;
+          s[k][1] += a.y;
+          s[k][2] += a.z;
+          s[k][3] += a.w;
+        }
       xb ^= 1;
 
-      // ---- online softmax (log2 domain) of rows g, g + 8 over keys tile*16 + 8*nt2 + 2*q4 + (e & 1)
-      const bool masked = (tile + 1) * dec::kBN > tree_start;  // only tiles reaching the tree keys (or L)
+      // ---- online softmax (log2 domain) of rows g, g + 8 over keys tile*kTK + 8k + 2*q4 + (e & 1)
+      const bool masked = (tile + 1) * kTK > tree_start;  // only tiles reaching the tree keys (or L)
       uint64_t bits[2] = {~0ull, ~0ull};
       if (masked) {
 #pragma unroll
@@ -367,17 +386,17 @@ __global__ void __launch_bounds__(kDecThreads, kDecMinBlocks) mla_decode_verify_
       }
       float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-      for (int nt2 = 0; nt2 < 2; ++nt2)
+      for (int k = 0; k < kNT; ++k)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          float v = s[nt2][e] * p.scale_log2;
+          float v = s[k][e] * p.scale_log2;
           if (masked) {
-            const int key = tile * dec::kBN + nt2 * 8 + 2 * q4 + (e & 1);
+            const int key = tile * kTK + k * 8 + 2 * q4 + (e & 1);
             const int tk = key - tree_start;
             const bool vis = key < L && (tk < 0 || ((bits[e >> 1] >> (tk & 63)) & 1ull));
             v = vis ? v : -INFINITY;
           }
-          s[nt2][e] = v;
+          s[k][e] = v;
           mx[e >> 1] = fmaxf(mx[e >> 1], v);
         }
       float muse[2], alpha[2];
@@ -400,28 +419,33 @@ __global__ void __launch_bounds__(kDecThreads, kDecMinBlocks) mla_decode_verify_
           o[j][3] *= alpha[1];
         }
       }
-      uint32_t pa[4];  // P as the A operand of PV: k = the tile's 16 keys (C layout of S -> A layout)
-      {
-        const float p00 = fast_exp2(s[0][0] - muse[0]), p01 = fast_exp2(s[0][1] - muse[0]);
-        const float p02 = fast_exp2(s[0][2] - muse[1]), p03 = fast_exp2(s[0][3] - muse[1]);
-        const float p10 = fast_exp2(s[1][0] - muse[0]), p11 = fast_exp2(s[1][1] - muse[0]);
-        const float p12 = fast_exp2(s[1][2] - muse[1]), p13 = fast_exp2(s[1][3] - muse[1]);
+      uint32_t pa[KSUB][4];  // P as the A operand of PV, one k-step per slice (C layout of S -> A layout)
+#pragma unroll
+      for (int h = 0; h < KSUB; ++h) {
+        const float(&s0)[4] = s[2 * h];
+        const float(&s1)[4] = s[2 * h + 1];
+        const float p00 = fast_exp2(s0[0] - muse[0]), p01 = fast_exp2(s0[1] - muse[0]);
+        const float p02 = fast_exp2(s0[2] - muse[1]), p03 = fast_exp2(s0[3] - muse[1]);
+        const float p10 = fast_exp2(s1[0] - muse[0]), p11 = fast_exp2(s1[1] - muse[0]);
+        const float p12 = fast_exp2(s1[2] - muse[1]), p13 = fast_exp2(s1[3] - muse[1]);
         l[0] += (p00 + p01) + (p10 + p11);
         l[1] += (p02 + p03) + (p12 + p13);
-        pa[0] = pack_bf16(p00, p01);  // row g,     keys 2q4, 2q4+1
-        pa[1] = pack_bf16(p02, p03);  // row g + 8, keys 2q4, 2q4+1
-        pa[2] = pack_bf16(p10, p11);  // row g,     keys 8+2q4, 8+2q4+1
-        pa[3] = pack_bf16(p12, p13);  // row g + 8, keys 8+2q4, 8+2q4+1
+        pa[h][0] = pack_bf16(p00, p01);  // row g,     keys 16h + 2q4, +1
+        pa[h][1] = pack_bf16(p02, p03);  // row g + 8, keys 16h + 2q4, +1
+        pa[h][2] = pack_bf16(p10, p11);  // row g,     keys 16h + 8 + 2q4, +1
+        pa[h][3] = pack_bf16(p12, p13);  // row g + 8, keys 16h + 8 + 2q4, +1
       }
 
-      // ---- O[16 x this warp's 128 latent dims] += P V
+      // ---- O[16 x this warp's 128 latent dims] += P V, one 16-key k-step per slice
 #pragma unroll
-      for (int jj = 0; jj < dec::kVTiles / 2; ++jj) {
-        uint32_t bv[4];
-        ldsm_x4_t(bv, kvb + dec::vb_addr(lane, jj));
-        mma_bf16(o[2 * jj], pa, bv[0], bv[1]);
-        mma_bf16(o[2 * jj + 1], pa, bv[2], bv[3]);
-      }
+      for (int h = 0; h < KSUB; ++h)
+#pragma unroll
+        for (int jj = 0; jj < dec::kVTiles / 2; ++jj) {
+          uint32_t bv[4];
+          ldsm_x4_t(bv, kvb + h * dec::kSliceBf + dec::vb_addr(lane, jj));
+          mma_bf16(o[2 * jj], pa[h], bv[0], bv[1]);
+          mma_bf16(o[2 * jj + 1], pa[h], bv[2], bv[3]);
+        }
     }
 
     // ---- epilogue: full row sums, then each warp writes its 128 dims; warp 0 writes the lse
@@ -542,13 +566,13 @@ __global__ void __launch_bounds__(1024) mla_combine_wide_kernel(const MlaParams 
 
 // Sets the kernel's dynamic shared memory limit once per device (not a stream operation: fine during capture,
 // but the first call should come before capture, as for the other variants).
-template <bool FP8, int STAGES>
+template <bool FP8, int STAGES, int KSUB>
 void ensure_smem_attr(int device) {
   static unsigned long long done = 0;  // bit per device
   const unsigned long long bit = 1ull << (device & 63);
   if (done & bit) return;
-  cudaFuncSetAttribute(mla_decode_verify_kernel<FP8, STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                       DecCfg<FP8, STAGES>::kSmem);
+  cudaFuncSetAttribute(mla_decode_verify_kernel<FP8, STAGES, KSUB>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                       DecCfg<FP8, STAGES, KSUB>::kSmem);
   done |= bit;
 }
 
@@ -558,7 +582,13 @@ int device_attr(cudaDeviceAttr a, int device) {
   return v;
 }
 
-// Deep ring where two CTAs of it fit an SM, else the shallow one (also when DDTREE_MLA_VARIANT=decode-shallow
+using DeepBf16 = DecCfg<false, kDeepStagesBf16, kDeepSub>;
+using DeepFp8 = DecCfg<true, kDeepStagesFp8, kDeepSub>;
+static_assert(DecCfg<false, kShallowStages, kShallowSub>::kSmem <= 101376 &&
+                  DecCfg<true, kShallowStages, kShallowSub>::kSmem <= 101376,
+              "the shallow configuration must fit sm_120's 99 KB per block");
+
+// Deep configuration where two CTAs of it fit an SM, else the shallow one (also when DDTREE_MLA_VARIANT=decode-shallow
 // forces it, so the H200 can run sm_120's configuration). Cached per device.
 bool decode_deep(int device, bool fp8) {
   if (mla_decode_force_shallow()) return false;
@@ -567,27 +597,27 @@ bool decode_deep(int device, bool fp8) {
   if (c == 0) {
     const int per_sm = device_attr(cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
     const int optin = device_attr(cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-    const int need = fp8 ? DecCfg<true, kDeepStagesFp8>::kSmem : DecCfg<false, kDeepStagesBf16>::kSmem;
+    const int need = fp8 ? DeepFp8::kSmem : DeepBf16::kSmem;
     c = (optin >= need && per_sm >= 2 * (need + 1024)) ? 2 : 1;
   }
   return c == 2;
 }
 
-template <bool FP8, int STAGES>
+template <bool FP8, int STAGES, int KSUB>
 int occupancy(int device) {
-  ensure_smem_attr<FP8, STAGES>(device);
+  ensure_smem_attr<FP8, STAGES, KSUB>(device);
   int n = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, mla_decode_verify_kernel<FP8, STAGES>, kDecThreads,
-                                                    DecCfg<FP8, STAGES>::kSmem) != cudaSuccess)
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, mla_decode_verify_kernel<FP8, STAGES, KSUB>, kDecThreads,
+                                                    DecCfg<FP8, STAGES, KSUB>::kSmem) != cudaSuccess)
     n = 0;
   return n;
 }
 
-template <bool FP8, int STAGES>
+template <bool FP8, int STAGES, int KSUB>
 void launch_decode_main(const MlaParams& p, int device, cudaStream_t stream) {
-  ensure_smem_attr<FP8, STAGES>(device);
+  ensure_smem_attr<FP8, STAGES, KSUB>(device);
   dim3 grid(p.num_row_tiles, p.num_parts);
-  mla_decode_verify_kernel<FP8, STAGES><<<grid, kDecThreads, DecCfg<FP8, STAGES>::kSmem, stream>>>(p);
+  mla_decode_verify_kernel<FP8, STAGES, KSUB><<<grid, kDecThreads, DecCfg<FP8, STAGES, KSUB>::kSmem, stream>>>(p);
 }
 
 }  // namespace
@@ -600,8 +630,10 @@ int mla_decode_ctas_per_sm(int device, bool fp8) {
   int& c = cache[device & 63][fp8 ? 1 : 0][deep ? 1 : 0];
   if (c == 0) {
     int n;
-    if (fp8) n = deep ? occupancy<true, kDeepStagesFp8>(device) : occupancy<true, kShallowStages>(device);
-    else n = deep ? occupancy<false, kDeepStagesBf16>(device) : occupancy<false, kShallowStages>(device);
+    if (fp8) n = deep ? occupancy<true, kDeepStagesFp8, kDeepSub>(device)
+                      : occupancy<true, kShallowStages, kShallowSub>(device);
+    else n = deep ? occupancy<false, kDeepStagesBf16, kDeepSub>(device)
+                  : occupancy<false, kShallowStages, kShallowSub>(device);
     c = n > 0 ? n : 1;
   }
   return c;
@@ -612,11 +644,11 @@ void launch_mla_decode(const MlaParams& p, cudaStream_t stream) {
   cudaGetDevice(&device);
   const bool deep = decode_deep(device, p.kv_fp8);
   if (p.kv_fp8) {
-    if (deep) launch_decode_main<true, kDeepStagesFp8>(p, device, stream);
-    else launch_decode_main<true, kShallowStages>(p, device, stream);
+    if (deep) launch_decode_main<true, kDeepStagesFp8, kDeepSub>(p, device, stream);
+    else launch_decode_main<true, kShallowStages, kShallowSub>(p, device, stream);
   } else {
-    if (deep) launch_decode_main<false, kDeepStagesBf16>(p, device, stream);
-    else launch_decode_main<false, kShallowStages>(p, device, stream);
+    if (deep) launch_decode_main<false, kDeepStagesBf16, kDeepSub>(p, device, stream);
+    else launch_decode_main<false, kShallowStages, kShallowSub>(p, device, stream);
   }
   // combine teams: about 8 pieces a warp for the average request (at most (P + B) / B pieces), 1..32 warps
   const int avg_pieces = (p.num_parts + 2 * p.B - 1) / p.B;

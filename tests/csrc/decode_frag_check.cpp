@@ -241,16 +241,20 @@ int main() {
       for (int q4 = 0; q4 < 4; ++q4)
         for (int e = 0; e < 2; ++e) od[o_dim(w, j, q4, e)]++;
   for (int d = 0; d < 512; ++d) CHECK(od[d] == 1, "output dim %d covered %d times", d, od[d]);
-  // S exchange slots: distinct, 8 floats each, inside 2 buffers
-  std::set<int> xo;
-  for (int xb = 0; xb < 2; ++xb)
-    for (int w = 0; w < 4; ++w)
-      for (int t = 0; t < 32; ++t) {
-        const int off = xs_off(xb, w, t);
-        CHECK(off % 4 == 0 && off + 8 <= 2 * 4 * 32 * 8, "xs offset %d", off);
-        xo.insert(off);
-      }
-  CHECK(xo.size() == 256, "xs offsets not distinct");
+  // S exchange slots (tiles of 1 and 2 slices): distinct float4s inside 2 buffers, consecutive across the lanes
+  for (int nk : {2, 4}) {
+    std::set<int> xo;
+    for (int xb = 0; xb < 2; ++xb)
+      for (int w = 0; w < 4; ++w)
+        for (int k = 0; k < nk; ++k)
+          for (int t = 0; t < 32; ++t) {
+            const int off = xs_off(xb, w, k, t, nk);
+            CHECK(off % 4 == 0 && off + 4 <= 2 * 4 * 32 * 4 * nk, "xs offset %d", off);
+            CHECK(t == 0 || off == xs_off(xb, w, k, t - 1, nk) + 4, "xs lanes not consecutive");
+            xo.insert(off);
+          }
+    CHECK(static_cast<int>(xo.size()) == 2 * 4 * nk * 32, "xs offsets not distinct");
+  }
   for (int w = 0; w < 4; ++w) {
     run_warp(w, false);
     run_warp(w, true);
