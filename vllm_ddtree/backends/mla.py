@@ -57,8 +57,10 @@ class DDTreeMLAMetadata(MLACommonMetadata[DDTreeMLADecodeMetadata]):
 
 
 # Launches of at most this many packed rows a request (query width x heads) keep our decode kernel in auto mode: on
-# the H200 it read 8-16 rows a request in 61.6 / 91.7 / 100.9 us where the FlashMLA split took 90.2 / 104.3 / 111.7 us
-# (bench/kernel_mla.py --baselines --shapes memory-bound, 2026-12-01); at 32 rows the split won (94.4 against 90.6 us).
+# the H200 (32-key tiles, bench/kernel_mla.py --baselines --shapes memory-bound / all, 2026-12-01) it read 8-16 rows
+# a request in 53.6-57.5 / 86.6-89.4 / 91.0-94.1 us where the FlashMLA split took 86.5-90.0 / 100.5-102.3 /
+# 106.9-109.3 us. At 32 rows it now also wins for one request of 128k keys (81.3-84.4 against 90.2-94.0 us), but the
+# split was not timed at batched 32-row launches, so the bound stays at 16.
 OWN_KERNEL_MAX_ROWS = 16
 
 
