@@ -15,7 +15,7 @@
 //   of PV (no P in shared memory);
 // - PV: warp w computes O[16 x 128] for its own latent dims (64 fp32 registers), from the V bytes it loaded itself.
 // fp8 caches: each warp widens its own raw slice to bf16 (warp-local, no barrier).
-// Tiles of KSUB 16-key slices (the "deep" configuration of sm_80 / sm_90: KSUB = 2, two CTAs an SM; sm_120's
+// Tiles of KSUB 16-key slices (the "deep" configuration of sm_90: KSUB = 2, two CTAs an SM; sm_80 / sm_120's
 // "shallow" one: KSUB = 1): a 32-key tile costs one S exchange and one block barrier, the per-tile chain of
 // exchange, barrier and softmax is paid once per 32 keys and each warp has twice the independent mma between
 // barriers. Slice h of a tile lies at h * slice bytes in the warp's ring slot; a slice wholly past L is zero-filled.
@@ -90,9 +90,9 @@ struct DecCfg {
   static constexpr int kLoadIts = FP8 ? 5 : 9;  // cp.async units per lane per slice (fp8: 4.5)
 };
 
-// Configurations. Deep (two CTAs fit an SM: sm_80 / sm_90): 32-key tiles, 2 bf16 / 3 fp8 stages (90,112 / 108,544 B,
-// 2 CTAs an SM). Shallow (100 KB-per-SM GPUs: sm_86 / sm_89 / sm_120, or DDTREE_MLA_VARIANT=decode-shallow): 16-key
-// tiles, 2 stages (45,056 B, two CTAs an SM).
+// Configurations. Deep (two CTAs fit an SM: sm_90; not sm_80's 164 KB): 32-key tiles, 2 bf16 / 3 fp8 stages
+// (90,112 / 108,544 B, 2 CTAs an SM). Shallow (sm_80 and the 100 KB-per-SM GPUs sm_86 / sm_89 / sm_120, or
+// DDTREE_MLA_VARIANT=decode-shallow): 16-key tiles, 2 stages (45,056 B, two or more CTAs an SM).
 constexpr int kDeepSub = 2, kDeepStagesBf16 = 2, kDeepStagesFp8 = 3;
 constexpr int kShallowSub = 1, kShallowStages = 2;
 
