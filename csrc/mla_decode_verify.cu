@@ -79,7 +79,8 @@ struct DecCfg {
   static constexpr int kSlot = (FP8 ? dec::kSliceFp8 : dec::kSliceBf) * KSUB;  // one warp's part of one stage
   static constexpr int kOffRing = 0;                                            // [warp][stage] slots
   static constexpr int kOffConv = kOffRing + dec::kWarps * STAGES * kSlot;  // fp8: [warp] widened bf16 slices
-  static constexpr int kOffX = kOffConv + (FP8 ? dec::kWarps * dec::kSliceBf * KSUB : 0);
+  static constexpr int kConvWarp = FP8 ? dec::kSliceBf * KSUB : 0;          // one warp's widened slices, bytes
+  static constexpr int kOffX = kOffConv + dec::kWarps * kConvWarp;
   static constexpr int kXF4 = 2 * KSUB;                         // float4s of partial S a lane hands over per tile
   static constexpr int kXBuf = dec::kWarps * 32 * kXF4 * 16;    // one S exchange buffer, bytes
   static constexpr int kSmem = kOffX + 2 * kXBuf;
@@ -172,7 +173,7 @@ __global__ void __launch_bounds__(kDecThreads, kDecMinBlocks<KSUB>) mla_decode_v
 
   const uint32_t sbase = smem_u32(smem);
   const uint32_t ring = sbase + C::kOffRing + warp * STAGES * C::kSlot;  // this warp's STAGES slots
-  const uint32_t conv = sbase + C::kOffConv + warp * dec::kSliceBf * KSUB;  // fp8: this warp's widened slices
+  const uint32_t conv = sbase + C::kOffConv + warp * C::kConvWarp;  // fp8: this warp's widened slices
   // Q staging: the warp's last ring slot (bf16; first refilled by the first tile's prefetch, after Q is in
   // registers) or its widening buffer (fp8; first written by the first tile's widening, same ordering).
   const uint32_t qstage = FP8 ? conv : ring + (STAGES - 1) * C::kSlot;
