@@ -138,10 +138,12 @@ void mla_tree_verify_cuda(const at::Tensor& q_nope, const at::Tensor& q_pe, cons
   const int64_t sched_ints = variant == ddtree::kVariantDecode ? ddtree::DecodeSplitView::size(p.B)
                                                                 : ddtree::SchedView::size(p.B, parts);
   at::Tensor sched = at::empty({sched_ints}, iopt);
-  at::Tensor ws_o = at::empty({slots, max_q * H, ddtree::kDV}, fopt);
+  const bool bf16_partials = variant == ddtree::kVariantDecode;
+  at::Tensor ws_o = at::empty({slots, max_q * H, ddtree::kDV}, bf16_partials ? fopt.dtype(at::kBFloat16) : fopt);
   at::Tensor ws_lse = at::empty({slots, max_q * H}, fopt);
   p.sched = sched.data_ptr<int>();
-  p.ws_o = ws_o.data_ptr<float>();
+  p.ws_o = bf16_partials ? nullptr : ws_o.data_ptr<float>();
+  p.ws_o_bf16 = bf16_partials ? static_cast<uint16_t*>(ws_o.data_ptr()) : nullptr;
   p.ws_lse = ws_lse.data_ptr<float>();
 
   ddtree::launch_mla_tree_verify(p, c10::cuda::getCurrentCUDAStream().stream());

@@ -23,7 +23,8 @@
 // Split-KV: the requests' tiles are cut into P = CTAs per SM x SMs parts by the line plan of mla_sched_plan.cuh, and
 // CTA (rt, part) derives its part's pieces (request, tile range, workspace slot) itself at its start (part_plan: two
 // block scans over the requests, then a walk from the part's first request), so no planner kernel runs before it
-// (one did, 3-4 us plus a launch gap on the H200). Split requests write normalized fp32 partials + base-2 lse into
+// (one did, 3-4 us plus a launch gap on the H200). Split requests write normalized partials as bf16 (half the bytes of
+// fp32 to write and to merge; each adds at most 2^-9 relative rounding, like the bf16 output) + fp32 base-2 lse into
 // the workspace, merged by mla_combine_wide_kernel (a team of 1-32 warps per (request, row, 128 dims), over the
 // pieces: a request of B = 1 has hundreds of pieces, one of B = 64 a few).
 // Masking: only tiles reaching the tree keys (>= L - n) test the tree bits; keys >= L are zero-filled and masked.
@@ -481,11 +482,11 @@ __global__ void __launch_bounds__(kDecThreads, kDecMinBlocks<KSUB>) mla_decode_v
           *reinterpret_cast<uint32_t*>(orow + d * 2) = pack_out(x0, x1, p.out_fp16);
         }
       } else {
-        float* wrow = p.ws_o + ((int64_t)slot * rstride + row) * kDV;
+        uint16_t* wrow = p.ws_o_bf16 + ((int64_t)slot * rstride + row) * kDV;
 #pragma unroll
         for (int j = 0; j < dec::kVTiles; ++j) {
-          const int d = dec::o_dim(warp, j, q4, 0);
-          *reinterpret_cast<float2*>(wrow + d) = make_float2(o[j][2 * h] * inv, o[j][2 * h + 1] * inv);
+          const int d = dec::o_dim(warp, j, q4, 0);  // even: 4-byte aligned pair
+          *reinterpret_cast<uint32_t*>(wrow + d) = pack_bf16(o[j][2 * h] * inv, o[j][2 * h + 1] * inv);
         }
       }
     }
@@ -536,11 +537,11 @@ __global__ void __launch_bounds__(1024) mla_combine_wide_kernel(const MlaParams 
     for (int i = sub; i < np; i += W) {
       const int64_t base = (int64_t)(slot0 + i) * rstride + row;
       const float w = exp2f(p.ws_lse[base] - mu) * inv;
-      const float4 v = reinterpret_cast<const float4*>(p.ws_o + base * kDV + slice * 128)[lane];
-      acc.x += w * v.x;
-      acc.y += w * v.y;
-      acc.z += w * v.z;
-      acc.w += w * v.w;
+      const uint2 v = reinterpret_cast<const uint2*>(p.ws_o_bf16 + base * kDV + slice * 128)[lane];  // 4 bf16
+      acc.x += w * __uint_as_float(v.x << 16);
+      acc.y += w * __uint_as_float(v.x & 0xffff0000u);
+      acc.z += w * __uint_as_float(v.y << 16);
+      acc.w += w * __uint_as_float(v.y & 0xffff0000u);
     }
   }
   red[warp * 32 + lane] = acc;

@@ -72,7 +72,8 @@ struct MlaParams {
   // fixed launch geometry (host-known, never derived from seq_lens values)
   int B, H, max_q, num_parts, num_row_tiles;
   int* sched;      // SchedView, or DecodeSplitView for the decode variant
-  float* ws_o;    // [num_slots, max_q*H, 512] normalized fp32 partials
+  float* ws_o;    // [num_slots, max_q*H, 512] normalized fp32 partials (64-row variants)
+  uint16_t* ws_o_bf16;  // the decode variant's partials, same shape, as bf16 bits (half the bytes to write and merge)
   float* ws_lse;  // [num_slots, max_q*H] base-2 lse of the partials
   int variant;    // kVariantPortable, kVariantResidentV or kVariantDecode
   int block_n;    // KV tile width of that variant (the scheduler plans in these tiles)
