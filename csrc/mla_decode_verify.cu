@@ -495,19 +495,28 @@ __global__ void __launch_bounds__(kDecThreads, kDecMinBlocks<KSUB>) mla_decode_v
 
 // Merges the split partials of one (request, row, 128-dim slice) in a team of W = 2^team_log2 warps (1..32), sized
 // by the host from the pieces an average request has: 32 warps for the hundreds of pieces of B = 1, single warps for
-// the few pieces of large batches (few blocks, about one wave). A block holds max(8, W) warps. The partials' reads
-// are chains of dependent rounds, a memory latency each, so the team size, not the bytes, sets the time: H200,
-// device time (2026-12-01): B = 64 x 4k, H 16: 15.4 us with blocks of 8 warps per row, 6.5 with single-warp teams;
-// B = 1 x 128k, H 8: 12.9 us with a team of 8 (~50 pieces a warp, 4 loads in flight), 9.1 with a team of 32 (~12 a
-// warp; A/B in one session). Every warp of a team computes the same log-sum-exp weights over all pieces (max, then
-// sum: loops the compiler unrolls with their loads together; a fused online max-and-sum had them interleaved with the
-// math, a memory latency each: 15.3 us at B = 1); warp k of the team accumulates pieces k, k + W, ... (lane: 4
-// dims), and the team's first warp adds the W sums in order. Fixed order throughout: deterministic. Teams of rows
-// without a split exit.
+// the few pieces of large batches (few blocks, about one wave). A block holds max(8, W) warps. The time is set by
+// chains of memory latencies, not by bytes (H200, 2026-12-01: B = 64 x 4k, H 16: 15.4 us with blocks of 8 warps per
+// row, 6.5 with single-warp teams; B = 1 x 128k, H 8: 12.9 us with a team of 8, 9.1 with a team of 32; a team that
+// read the lse twice, for the max and then the sum, before the partials took 7.6 us there). So each warp issues the
+// loads of up to kCombineChunk of its pieces (k, k + W, ...) at once, lse and partial together, and folds them into
+// its own running (max m, sum s, acc) — one memory latency for up to W * kCombineChunk pieces. The team's first warp
+// then merges the W triples in warp order (fixed order throughout: deterministic). Teams of rows without a split exit.
 constexpr int kCombineMaxTeamLog2 = 5;
+constexpr int kCombineChunk = 12;  // pieces a warp loads at once: B = 1 on 132 SMs x 2 CTAs (264) in one round
+
+struct CombinePart {  // one warp's running merge; lse terms in base 2
+  float m, s;
+  float4 acc;
+};
+
+__device__ __forceinline__ float4 bf16x4(uint2 v) {
+  return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u), __uint_as_float(v.y << 16),
+                     __uint_as_float(v.y & 0xffff0000u));
+}
 
 __global__ void __launch_bounds__(1024) mla_combine_wide_kernel(const MlaParams p, int team_log2) {
-  extern __shared__ float4 red[];  // [warps of the block][32]
+  extern __shared__ CombinePart red[];  // [warps of the block][32]
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int W = 1 << team_log2, sub = warp & (W - 1);
   const int rstride = p.max_q * p.H;
@@ -521,47 +530,65 @@ __global__ void __launch_bounds__(1024) mla_combine_wide_kernel(const MlaParams 
   }
   const bool active = np > 1;  // warp-uniform; np <= 1: written directly by the main kernel (or no work)
   const int slot0 = active ? sv.req_slot0[b] : 0;
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  float mu = 0.f, sum = 0.f;
-  if (active) {
-    float mx = -INFINITY;
-    for (int i = lane; i < np; i += 32) mx = fmaxf(mx, p.ws_lse[(int64_t)(slot0 + i) * rstride + row]);
+  CombinePart c{-INFINITY, 0.f, make_float4(0.f, 0.f, 0.f, 0.f)};
+  for (int i0 = sub; active && i0 < np; i0 += W * kCombineChunk) {
+    float l[kCombineChunk];
+    uint2 v[kCombineChunk];
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    mu = mx == -INFINITY ? 0.f : mx;
-    for (int i = lane; i < np; i += 32) sum += exp2f(p.ws_lse[(int64_t)(slot0 + i) * rstride + row] - mu);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
-#pragma unroll 4
-    for (int i = sub; i < np; i += W) {
-      const int64_t base = (int64_t)(slot0 + i) * rstride + row;
-      const float w = exp2f(p.ws_lse[base] - mu) * inv;
-      const uint2 v = reinterpret_cast<const uint2*>(p.ws_o_bf16 + base * kDV + slice * 128)[lane];  // 4 bf16
-      acc.x += w * __uint_as_float(v.x << 16);
-      acc.y += w * __uint_as_float(v.x & 0xffff0000u);
-      acc.z += w * __uint_as_float(v.y << 16);
-      acc.w += w * __uint_as_float(v.y & 0xffff0000u);
+    for (int k = 0; k < kCombineChunk; ++k) {
+      const int i = i0 + k * W;
+      l[k] = -INFINITY;
+      v[k] = make_uint2(0u, 0u);
+      if (i < np) {
+        const int64_t base = (int64_t)(slot0 + i) * rstride + row;
+        l[k] = p.ws_lse[base];
+        v[k] = reinterpret_cast<const uint2*>(p.ws_o_bf16 + base * kDV + slice * 128)[lane];  // 4 bf16
+      }
     }
+    float mx = c.m;
+#pragma unroll
+    for (int k = 0; k < kCombineChunk; ++k) mx = fmaxf(mx, l[k]);
+    const float ref = mx == -INFINITY ? 0.f : mx;  // all-masked so far: every weight is exp2(-inf) = 0
+    const float keep = exp2f(c.m - ref);
+    c.s *= keep;
+    c.acc = make_float4(c.acc.x * keep, c.acc.y * keep, c.acc.z * keep, c.acc.w * keep);
+#pragma unroll
+    for (int k = 0; k < kCombineChunk; ++k) {
+      const float w = exp2f(l[k] - ref);
+      const float4 x = bf16x4(v[k]);
+      c.s += w;
+      c.acc.x += w * x.x;
+      c.acc.y += w * x.y;
+      c.acc.z += w * x.z;
+      c.acc.w += w * x.w;
+    }
+    c.m = mx;
   }
-  red[warp * 32 + lane] = acc;
+  red[warp * 32 + lane] = c;
   __syncthreads();
   if (!active || sub != 0) return;
-  float4 t = red[warp * 32 + lane];
-  for (int w = 1; w < W; ++w) {
-    const float4 v = red[(warp + w) * 32 + lane];
-    t.x += v.x;
-    t.y += v.y;
-    t.z += v.z;
-    t.w += v.w;
+  float mu = -INFINITY;
+  for (int w = 0; w < W; ++w) mu = fmaxf(mu, red[(warp + w) * 32 + lane].m);
+  if (mu == -INFINITY) mu = 0.f;
+  float sum = 0.f;
+  float4 t = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int w = 0; w < W; ++w) {
+    const CombinePart& o = red[(warp + w) * 32 + lane];
+    const float k = exp2f(o.m - mu);
+    sum += k * o.s;
+    t.x += k * o.acc.x;
+    t.y += k * o.acc.y;
+    t.z += k * o.acc.z;
+    t.w += k * o.acc.w;
   }
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
   const int node = row / p.H, head = row % p.H;
   const int64_t tok = q0 + node;
   char* orow = reinterpret_cast<char*>(p.out) + (tok * p.out_s0 + head * p.out_s1) * 2;
   const int d = slice * 128 + lane * 4;
   // two 4-byte stores: the binding guarantees 4-byte aligned output rows (even strides), not 8
-  *reinterpret_cast<uint32_t*>(orow + d * 2) = pack_out(t.x, t.y, p.out_fp16);
-  *reinterpret_cast<uint32_t*>(orow + d * 2 + 4) = pack_out(t.z, t.w, p.out_fp16);
+  *reinterpret_cast<uint32_t*>(orow + d * 2) = pack_out(t.x * inv, t.y * inv, p.out_fp16);
+  *reinterpret_cast<uint32_t*>(orow + d * 2 + 4) = pack_out(t.z * inv, t.w * inv, p.out_fp16);
   if (slice == 0 && lane == 0)
     p.lse[tok * p.lse_s0 + head * p.lse_s1] = sum > 0.f ? (mu + log2f(sum)) * kLn2 : -INFINITY;
 }
@@ -660,7 +687,7 @@ void launch_mla_decode(const MlaParams& p, cudaStream_t stream) {
   const int64_t teams = (int64_t)p.B * p.max_q * p.H * (kDV / 128);
   const int per_block = warps >> team_log2;
   const int blocks = static_cast<int>((teams + per_block - 1) / per_block);
-  mla_combine_wide_kernel<<<blocks, 32 * warps, warps * 32 * sizeof(float4), stream>>>(p, team_log2);
+  mla_combine_wide_kernel<<<blocks, 32 * warps, warps * 32 * sizeof(CombinePart), stream>>>(p, team_log2);
 }
 
 }  // namespace ddtree
