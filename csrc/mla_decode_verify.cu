@@ -499,11 +499,11 @@ __global__ void __launch_bounds__(kDecThreads, kDecMinBlocks<KSUB>) mla_decode_v
 // chains of memory latencies, not by bytes (H200, 2026-12-01: B = 64 x 4k, H 16: 15.4 us with blocks of 8 warps per
 // row, 6.5 with single-warp teams; B = 1 x 128k, H 8: 12.9 us with a team of 8, 9.1 with a team of 32; a team that
 // read the lse twice, for the max and then the sum, before the partials took 7.6 us there). So each warp issues the
-// loads of up to kCombineChunk of its pieces (k, k + W, ...) at once, lse and partial together, and folds them into
+// loads of up to kCombineChunk (10) of its pieces (k, k + W, ...) at once, lse and partial together, and folds them into
 // its own running (max m, sum s, acc) — one memory latency for up to W * kCombineChunk pieces. The team's first warp
 // then merges the W triples in warp order (fixed order throughout: deterministic). Teams of rows without a split exit.
 constexpr int kCombineMaxTeamLog2 = 5;
-constexpr int kCombineChunk = 12;  // pieces a warp loads at once: B = 1 on 132 SMs x 2 CTAs (264) in one round
+constexpr int kCombineChunk = 10;  // pieces a warp loads at once: B = 1 on up to 160 SMs x 2 CTAs in one round (12 spilled)
 
 struct CombinePart {  // one warp's running merge; lse terms in base 2
   float m, s;
@@ -532,29 +532,29 @@ __global__ void __launch_bounds__(1024) mla_combine_wide_kernel(const MlaParams 
   const int slot0 = active ? sv.req_slot0[b] : 0;
   CombinePart c{-INFINITY, 0.f, make_float4(0.f, 0.f, 0.f, 0.f)};
   for (int i0 = sub; active && i0 < np; i0 += W * kCombineChunk) {
+    const int cnt = min(kCombineChunk, (np - i0 + W - 1) / W);  // this warp's pieces in the round (warp-uniform)
     float l[kCombineChunk];
     uint2 v[kCombineChunk];
 #pragma unroll
     for (int k = 0; k < kCombineChunk; ++k) {
-      const int i = i0 + k * W;
-      l[k] = -INFINITY;
-      v[k] = make_uint2(0u, 0u);
-      if (i < np) {
-        const int64_t base = (int64_t)(slot0 + i) * rstride + row;
+      if (k < cnt) {
+        const int64_t base = (int64_t)(slot0 + i0 + k * W) * rstride + row;
         l[k] = p.ws_lse[base];
         v[k] = reinterpret_cast<const uint2*>(p.ws_o_bf16 + base * kDV + slice * 128)[lane];  // 4 bf16
       }
     }
     float mx = c.m;
 #pragma unroll
-    for (int k = 0; k < kCombineChunk; ++k) mx = fmaxf(mx, l[k]);
+    for (int k = 0; k < kCombineChunk; ++k)
+      if (k < cnt) mx = fmaxf(mx, l[k]);
     const float ref = mx == -INFINITY ? 0.f : mx;  // all-masked so far: every weight is exp2(-inf) = 0
-    const float keep = exp2f(c.m - ref);
+    const float keep = fast_exp2(c.m - ref);
     c.s *= keep;
     c.acc = make_float4(c.acc.x * keep, c.acc.y * keep, c.acc.z * keep, c.acc.w * keep);
 #pragma unroll
     for (int k = 0; k < kCombineChunk; ++k) {
-      const float w = exp2f(l[k] - ref);
+      if (k >= cnt) break;  // only the pieces loaded: the math after the loads is the call's serial tail
+      const float w = fast_exp2(l[k] - ref);
       const float4 x = bf16x4(v[k]);
       c.s += w;
       c.acc.x += w * x.x;
