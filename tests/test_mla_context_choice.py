@@ -13,7 +13,7 @@ def test_auto_keeps_launches_of_few_rows_on_our_kernel() -> None:
     assert not split_this_launch("auto", 1, 8)
     assert not split_this_launch("auto", 1, 16)
     assert not split_this_launch("auto", 2, 8)
-    assert OWN_KERNEL_MAX_ROWS == 16
+    assert OWN_KERNEL_MAX_ROWS == 32
     # more rows a request: the split
     assert split_this_launch("auto", 3, 8)
     assert split_this_launch("auto", 1, 64)

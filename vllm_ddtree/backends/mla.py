@@ -59,9 +59,11 @@ class DDTreeMLAMetadata(MLACommonMetadata[DDTreeMLADecodeMetadata]):
 # Launches of at most this many packed rows a request (query width x heads) keep our decode kernel in auto mode: on
 # the H200 (32-key tiles, bench/kernel_mla.py --baselines --shapes memory-bound / all, 2026-12-01) it read 8-16 rows
 # a request in 53.6-57.5 / 86.6-89.4 / 91.0-94.1 us where the FlashMLA split took 86.5-90.0 / 100.5-102.3 /
-# 106.9-109.3 us. At 32 rows it now also wins for one request of 128k keys (81.3-84.4 against 90.2-94.0 us), but the
-# split was not timed at batched 32-row launches, so the bound stays at 16.
-OWN_KERNEL_MAX_ROWS = 16
+# 106.9-109.3 us. At 32 rows a request it wins too (2026-12-01, after the one-pass combine; `--shapes crossover
+# --baselines`): one request of 32k keys 39.4 against 63.2 us, 8 requests of 8k at 8 heads x 4 tokens 45.4 against
+# 54.2 us, one request of 128k at 16 x 2 78.9 against 90.4 us; at 64 rows of 8 requests the split wins (57.2 against
+# 75.7 us).
+OWN_KERNEL_MAX_ROWS = 32
 
 
 def context_choice() -> str:
