@@ -9,13 +9,15 @@ from vllm_ddtree.backends.mla import OWN_KERNEL_MAX_ROWS, context_choice, split_
 
 
 def test_auto_keeps_launches_of_few_rows_on_our_kernel() -> None:
-    # plain decode at 8 or 16 heads (TP 8 / 4 of Kimi-K2), and a 2-token tree at 8 heads: our decode kernel
+    # plain decode at 8 or 16 heads (TP 8 / 4 of Kimi-K2), trees of up to 4 tokens at 8 heads or 2 at 16: our kernel
     assert not split_this_launch("auto", 1, 8)
     assert not split_this_launch("auto", 1, 16)
-    assert not split_this_launch("auto", 2, 8)
+    assert not split_this_launch("auto", 4, 8)
+    assert not split_this_launch("auto", 2, 16)
     assert OWN_KERNEL_MAX_ROWS == 32
     # more rows a request: the split
-    assert split_this_launch("auto", 3, 8)
+    assert split_this_launch("auto", 5, 8)
+    assert split_this_launch("auto", 3, 16)
     assert split_this_launch("auto", 1, 64)
     assert split_this_launch("auto", 17, 64)
 
