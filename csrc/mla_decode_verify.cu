@@ -498,12 +498,14 @@ __global__ void __launch_bounds__(kDecThreads, kDecMinBlocks<KSUB>) mla_decode_v
 // the few pieces of large batches (few blocks, about one wave). A block holds max(8, W) warps. The time is set by
 // chains of memory latencies, not by bytes (H200, 2026-12-01: B = 64 x 4k, H 16: 15.4 us with blocks of 8 warps per
 // row, 6.5 with single-warp teams; B = 1 x 128k, H 8: 12.9 us with a team of 8, 9.1 with a team of 32; a team that
-// read the lse twice, for the max and then the sum, before the partials took 7.6 us there). So each warp issues the
-// loads of up to kCombineChunk (10) of its pieces (k, k + W, ...) at once, lse and partial together, and folds them into
-// its own running (max m, sum s, acc) — one memory latency for up to W * kCombineChunk pieces. The team's first warp
-// then merges the W triples in warp order (fixed order throughout: deterministic). Teams of rows without a split exit.
+// read the lse twice, for the max and then the sum, before the partials took 7.6 us there, and an online loop that
+// loaded one piece a step 15.3 us). So each warp loads up to kCombineChunk of its pieces (k, k + W, ...) into
+// registers at once, lse and partial together, then folds them into its running (max m, sum s, acc): one memory
+// latency for up to W * kCombineChunk pieces. The team's first warp merges the W triples in warp order (fixed order
+// throughout: deterministic). Teams of rows without a split exit.
 constexpr int kCombineMaxTeamLog2 = 5;
-constexpr int kCombineChunk = 10;  // pieces a warp loads at once: B = 1 on up to 160 SMs x 2 CTAs in one round (12 spilled)
+// pieces a warp loads at once: B = 1 on up to 160 SMs x 2 CTAs in one round (12 spilled on sm_80 / sm_90)
+constexpr int kCombineChunk = 10;
 
 struct CombinePart {  // one warp's running merge; lse terms in base 2
   float m, s;
