@@ -512,11 +512,6 @@ struct CombinePart {  // one warp's running merge; lse terms in base 2
   float4 acc;
 };
 
-__device__ __forceinline__ float4 bf16x4(uint2 v) {
-  return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u), __uint_as_float(v.y << 16),
-                     __uint_as_float(v.y & 0xffff0000u));
-}
-
 __global__ void __launch_bounds__(1024) mla_combine_wide_kernel(const MlaParams p, int team_log2) {
   extern __shared__ CombinePart red[];  // [warps of the block][32]
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -557,7 +552,7 @@ __global__ void __launch_bounds__(1024) mla_combine_wide_kernel(const MlaParams 
     for (int k = 0; k < kCombineChunk; ++k) {
       if (k >= cnt) break;  // only the pieces loaded: the math after the loads is the call's serial tail
       const float w = fast_exp2(l[k] - ref);
-      const float4 x = bf16x4(v[k]);
+      const float4 x = unpack_bf16x4(v[k]);
       c.s += w;
       c.acc.x += w * x.x;
       c.acc.y += w * x.y;

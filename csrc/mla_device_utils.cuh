@@ -66,6 +66,12 @@ __device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
   return r;
 }
 
+// Four bf16 (two pack_bf16 pairs, low half first) back to fp32: a bf16 is the top half of its fp32.
+__device__ __forceinline__ float4 unpack_bf16x4(uint2 v) {
+  return make_float4(__uint_as_float(v.x << 16), __uint_as_float(v.x & 0xffff0000u), __uint_as_float(v.y << 16),
+                     __uint_as_float(v.y & 0xffff0000u));
+}
+
 // Two fp32 values as one 4-byte pair of the output's dtype (fp16 or bf16).
 __device__ __forceinline__ uint32_t pack_out(float a, float b, bool fp16) {
   if (!fp16) return pack_bf16(a, b);
