@@ -180,6 +180,8 @@ __global__ void __launch_bounds__(kDecThreads, kDecMinBlocks<KSUB>) mla_decode_v
   const uint32_t qstage = FP8 ? conv : ring + (STAGES - 1) * C::kSlot;
   float* xs = reinterpret_cast<float*>(smem + C::kOffX);
 
+  grid_dep_wait();  // launched with PDL (sm_90+): every input and output below belongs to earlier kernels until here
+  grid_dep_launch();
   __shared__ PartShared plan_s;  // static, 56 B (128 B of the CTA's shared memory with the dynamic buffer's alignment)
   part_plan(p, part, kTK, rt == 0 && part == 0, plan_s);
   const int page_mask = (1 << p.page_log2) - 1;
@@ -222,7 +224,11 @@ __global__ void __launch_bounds__(kDecThreads, kDecMinBlocks<KSUB>) mla_decode_v
         col = 2 * dim;
       }
     };
-    auto issue = [&](int tile, uint32_t dst) {
+    // Page of the first key of `tile` (pages of >= 16 tokens): read one tile ahead of its issue in the loop below, so
+    // the block-table load's latency is not paid between a warp's compute and its cp.asyncs (it was, twice a tile).
+    // A second slice lies in the same page when pages hold >= 32 tokens; with 16-token pages it reads its own entry.
+    auto page_of = [&](int tile) { return big_pages && tile < t1 ? bt[(tile * kTK) >> p.page_log2] : 0; };
+    auto issue = [&](int tile, uint32_t dst, int pg) {
 #pragma unroll
       for (int h = 0; h < KSUB; ++h) {  // the tile's 16-key slices, one after the other in the warp's slot
         const int key0 = tile * kTK + h * dec::kBN;  // slice 0: < L (tile < t1 <= ceil(L / kTK)); slice 1 may not be
@@ -245,7 +251,8 @@ __global__ void __launch_bounds__(kDecThreads, kDecMinBlocks<KSUB>) mla_decode_v
         } else if (big_pages) {
           // One page holds the whole slice (16-aligned, >= 16 tokens a page): one block-table read; rows past L are
           // still inside that page, so their address is formed unconditionally (src-size 0 reads nothing).
-          const uint8_t* base = p.kv + (int64_t)bt[key0 >> p.page_log2] * p.kv_page_stride +
+          const int page = h == 0 || p.page_log2 >= 5 ? pg : bt[key0 >> p.page_log2];
+          const uint8_t* base = p.kv + (int64_t)page * p.kv_page_stride +
                                 (int64_t)(key0 & page_mask) * p.kv_row_stride;
           load_units([&](int r, int col) { return base + (r * row_bytes + col); });
         } else {  // pages of fewer than 16 tokens: a block-table read per key
@@ -288,9 +295,10 @@ __global__ void __launch_bounds__(kDecThreads, kDecMinBlocks<KSUB>) mla_decode_v
     // ---- prologue: tiles t0 .. t0 + STAGES - 2 into slots 0 .. STAGES - 2, one group each (empty past t1)
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-      if (t0 + s < t1) issue(t0 + s, ring + s * C::kSlot);
+      if (t0 + s < t1) issue(t0 + s, ring + s * C::kSlot, page_of(t0 + s));
       cp_async_commit();
     }
+    int pg_next = page_of(t0 + STAGES - 1);  // page of the tile the loop issues next
     cp_async_wait<STAGES - 1>();  // Q landed (the STAGES - 1 tile groups may still be in flight)
     __syncwarp();
     uint32_t qa[dec::kKSteps][4];  // A fragments of Q over this warp's 9 k-steps, for the whole piece
@@ -311,8 +319,9 @@ __global__ void __launch_bounds__(kDecThreads, kDecMinBlocks<KSUB>) mla_decode_v
       {
         const int nt = tile + STAGES - 1;
         const int ws = rd == 0 ? STAGES - 1 : rd - 1;  // (i + STAGES - 1) % STAGES
-        if (nt < t1) issue(nt, ring + ws * C::kSlot);
+        if (nt < t1) issue(nt, ring + ws * C::kSlot, pg_next);
         cp_async_commit();
+        pg_next = page_of(nt + 1);  // consumed next tile
       }
       cp_async_wait<STAGES - 1>();  // this tile's group is complete (only the STAGES - 1 newer ones pending)
       __syncwarp();                 // ... for every lane's copies
@@ -514,6 +523,8 @@ struct CombinePart {  // one warp's running merge; lse terms in base 2
 
 __global__ void __launch_bounds__(1024) mla_combine_wide_kernel(const MlaParams p, int team_log2) {
   extern __shared__ CombinePart red[];  // [warps of the block][32]
+  grid_dep_wait();  // the main kernel's partials and split counts complete and visible (PDL on sm_90+)
+  grid_dep_launch();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int W = 1 << team_log2, sub = warp & (W - 1);
   const int rstride = p.max_q * p.H;
@@ -639,11 +650,41 @@ int occupancy(int device) {
   return n;
 }
 
+// Programmatic dependent launch on GPUs that have it (sm_90+) unless DDTREE_MLA_PDL=0: the combine's blocks (and the
+// next call's main kernel) are launched while the kernel before them drains, not after it (cached per device).
+bool use_pdl(int device) {
+  static int cache[64] = {};  // 0 unknown, 1 off, 2 on
+  int& c = cache[device & 63];
+  if (c == 0) {
+    const char* env = std::getenv("DDTREE_MLA_PDL");
+    const bool off = env != nullptr && std::strcmp(env, "0") == 0;
+    c = !off && device_attr(cudaDevAttrComputeCapabilityMajor, device) >= 9 ? 2 : 1;
+  }
+  return c == 2;
+}
+
+// kernel<<<grid, block, smem, stream>>>(p, extra...), with programmatic stream serialization when `pdl`.
+template <typename... Extra>
+void launch_kernel(void (*kernel)(const MlaParams, Extra...), dim3 grid, int threads, int smem, cudaStream_t stream,
+                   bool pdl, const MlaParams& p, Extra... extra) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  cudaLaunchKernelEx(&cfg, kernel, p, extra...);
+}
+
 template <bool FP8, int STAGES, int KSUB>
 void launch_decode_main(const MlaParams& p, int device, cudaStream_t stream) {
   ensure_smem_attr<FP8, STAGES, KSUB>(device);
-  dim3 grid(p.num_row_tiles, p.num_parts);
-  mla_decode_verify_kernel<FP8, STAGES, KSUB><<<grid, kDecThreads, DecCfg<FP8, STAGES, KSUB>::kSmem, stream>>>(p);
+  launch_kernel(mla_decode_verify_kernel<FP8, STAGES, KSUB>, dim3(p.num_row_tiles, p.num_parts), kDecThreads,
+                DecCfg<FP8, STAGES, KSUB>::kSmem, stream, use_pdl(device), p);
 }
 
 }  // namespace
@@ -684,7 +725,8 @@ void launch_mla_decode(const MlaParams& p, cudaStream_t stream) {
   const int64_t teams = (int64_t)p.B * p.max_q * p.H * (kDV / 128);
   const int per_block = warps >> team_log2;
   const int blocks = static_cast<int>((teams + per_block - 1) / per_block);
-  mla_combine_wide_kernel<<<blocks, 32 * warps, warps * 32 * sizeof(CombinePart), stream>>>(p, team_log2);
+  launch_kernel(mla_combine_wide_kernel, dim3(blocks), 32 * warps, static_cast<int>(warps * 32 * sizeof(CombinePart)),
+                stream, use_pdl(device), p, team_log2);
 }
 
 }  // namespace ddtree

@@ -117,5 +117,20 @@ __device__ __forceinline__ uint4 half8_to_bf16(const uint4 h) {
   return make_uint4(pack_bf16(f0.x, f0.y), pack_bf16(f1.x, f1.y), pack_bf16(f2.x, f2.y), pack_bf16(f3.x, f3.y));
 }
 
+// Programmatic dependent launch (sm_90+; no-ops before): a kernel launched with programmatic stream serialization
+// may start while its predecessor drains, so it must wait for it (grid_dep_wait: the predecessor complete and its
+// writes visible) before touching memory the predecessor reads or writes; grid_dep_launch lets its own dependent
+// start launching early.
+__device__ __forceinline__ void grid_dep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void grid_dep_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 }  // namespace dev
 }  // namespace ddtree
