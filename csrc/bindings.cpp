@@ -77,6 +77,8 @@ void mla_tree_verify_cuda(const at::Tensor& q_nope, const at::Tensor& q_pe, cons
               "lse must be float32 [T, H]");
 
   int64_t max_q = max_query_len > 0 ? max_query_len : std::min<int64_t>(T, ddtree::kMaxTreeTokens);
+  TORCH_CHECK(softmax_scale > 0 && kv_scale > 0 && std::isfinite(softmax_scale * kv_scale),
+              "softmax_scale and kv_scale must be positive and finite");
   TORCH_CHECK(max_q >= 1 && max_q <= ddtree::kMaxTreeTokens, "max_query_len must be in [1, 64]");
   if (T == 0) return;
 

@@ -69,6 +69,8 @@ namespace {
 using namespace dev;
 
 constexpr int kDecThreads = 128;
+// Lazy rescaling's slack (log2 units): P values stay <= 2^8 until a row's max moves by more.
+constexpr float kRescaleSlack = 8.f;
 // __launch_bounds__ minimum CTAs an SM: 16-key tiles <= 168 registers (3 CTAs in 64K registers), 32-key tiles 2
 template <int KSUB>
 constexpr int kDecMinBlocks = KSUB == 1 ? 3 : 2;
@@ -254,7 +256,7 @@ __global__ void __launch_bounds__(kDecThreads, kDecMinBlocks<KSUB>) mla_decode_v
           const int page = h == 0 || p.page_log2 >= 5 ? pg : bt[key0 >> p.page_log2];
           const uint8_t* base = p.kv + (int64_t)page * p.kv_page_stride +
                                 (int64_t)(key0 & page_mask) * p.kv_row_stride;
-          load_units([&](int r, int col) { return base + (r * row_bytes + col); });
+          load_units([&](int r, int col) { return base + static_cast<uint32_t>(r * row_bytes + col); });
         } else {  // pages of fewer than 16 tokens: a block-table read per key
           load_units([&](int r, int col) {
             const int key = key0 + r;
@@ -370,58 +372,63 @@ __global__ void __launch_bounds__(kDecThreads, kDecMinBlocks<KSUB>) mla_decode_v
             make_float4(s[k][0], s[k][1], s[k][2], s[k][3]);
       __syncthreads();  // the tile's only block barrier (the other buffer is rewritten only after the next one)
 #pragma unroll
-      for (int k = 0; k < kNT; ++k)
+      for (int k = 0; k < kNT; ++k) {
+        float4 a[dec::kWarps];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[k][e] = 0.f;
-#pragma unroll
-      for (int w = 0; w < dec::kWarps; ++w)
-#pragma unroll
-        for (int k = 0; k < kNT; ++k) {
-          const float4 a = *reinterpret_cast<const float4*>(xs + dec::xs_off(xb, w, k, lane, kNT));
-          s[k][0] += a.x;
-          s[k][1] += a.y;
-          s[k][2] += a.z;
-          s[k][3] += a.w;
-        }
+        for (int w = 0; w < dec::kWarps; ++w) a[w] = *reinterpret_cast<const float4*>(xs + dec::xs_off(xb, w, k, lane, kNT));
+        s[k][0] = (a[0].x + a[1].x) + (a[2].x + a[3].x);
+        s[k][1] = (a[0].y + a[1].y) + (a[2].y + a[3].y);
+        s[k][2] = (a[0].z + a[1].z) + (a[2].z + a[3].z);
+        s[k][3] = (a[0].w + a[1].w) + (a[2].w + a[3].w);
+      }
       xb ^= 1;
 
-      // ---- online softmax (log2 domain) of rows g, g + 8 over keys tile*kTK + 8k + 2*q4 + (e & 1)
-      const bool masked = (tile + 1) * kTK > tree_start;  // only tiles reaching the tree keys (or L)
-      uint64_t bits[2] = {~0ull, ~0ull};
-      if (masked) {
+      // ---- online softmax (log2 domain) of rows g, g + 8 over keys tile*kTK + 8k + 2*q4 + (e & 1). S stays
+      // unscaled (scale_log2 > 0, checked by the binding, so the max commutes with it) and enters exp2 through one
+      // FFMA. Only tiles reaching the tree keys (or L) are masked, in one block that the others branch over.
+      if ((tile + 1) * kTK > tree_start) {
+        uint64_t bits[2] = {~0ull, ~0ull};
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int row = rt * dec::kRows + g + 8 * h;
           if (row < rows) bits[h] = static_cast<uint64_t>(p.tree_bits[q0 + row / p.H]);
         }
+#pragma unroll
+        for (int k = 0; k < kNT; ++k)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int key = tile * kTK + k * 8 + 2 * q4 + (e & 1);
+            const int tk = key - tree_start;
+            const bool vis = key < L && (tk < 0 || ((bits[e >> 1] >> (tk & 63)) & 1ull));
+            s[k][e] = vis ? s[k][e] : -INFINITY;
+          }
       }
       float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
       for (int k = 0; k < kNT; ++k)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float v = s[k][e] * p.scale_log2;
-          if (masked) {
-            const int key = tile * kTK + k * 8 + 2 * q4 + (e & 1);
-            const int tk = key - tree_start;
-            const bool vis = key < L && (tk < 0 || ((bits[e >> 1] >> (tk & 63)) & 1ull));
-            v = vis ? v : -INFINITY;
-          }
-          s[k][e] = v;
-          mx[e >> 1] = fmaxf(mx[e >> 1], v);
-        }
-      float muse[2], alpha[2];
+        for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[k][e]);
+      // Lazy rescaling: a row's reference max m moves only when the tile's max exceeds it by more than kRescaleSlack
+      // (log2 units), so P <= 2^kRescaleSlack (bf16 keeps its relative precision) and O is rescaled on few tiles
+      // (it was on two in three at B = 1 x 128k, H 8: 64 FMUL a warp each). m, l and O stay consistent: lse = m +
+      // log2(l) whatever m is. Every warp makes the same decision (same S).
+      bool moved = false;
+      float nms[2], alpha[2];  // -m * scale... : the FFMA's addend; alpha: O's factor
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
         mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-        const float mnew = fmaxf(m[h], mx[h]);
-        muse[h] = mnew == -INFINITY ? 0.f : mnew;  // fully masked so far: keep exp2 finite
-        alpha[h] = fast_exp2(m[h] - muse[h]);
-        m[h] = mnew;
-        l[h] *= alpha[h];
+        const float mt = mx[h] * p.scale_log2;  // the tile's row max, scaled (-inf: fully masked)
+        alpha[h] = 1.f;
+        if (mt > m[h] + kRescaleSlack) {  // false while mt = -inf; true for the first finite max (m = -inf)
+          alpha[h] = fast_exp2(m[h] - mt);
+          m[h] = mt;
+          l[h] *= alpha[h];
+          moved = true;
+        }
+        nms[h] = m[h] == -INFINITY ? 0.f : -m[h];  // fully masked so far: keep exp2 finite (its P are 0)
       }
-      if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {  // the max moved for some row
+      if (__any_sync(0xffffffffu, moved)) {
 #pragma unroll
         for (int j = 0; j < dec::kVTiles; ++j) {
           o[j][0] *= alpha[0];
@@ -435,10 +442,11 @@ __global__ void __launch_bounds__(kDecThreads, kDecMinBlocks<KSUB>) mla_decode_v
       for (int h = 0; h < KSUB; ++h) {
         const float(&s0)[4] = s[2 * h];
         const float(&s1)[4] = s[2 * h + 1];
-        const float p00 = fast_exp2(s0[0] - muse[0]), p01 = fast_exp2(s0[1] - muse[0]);
-        const float p02 = fast_exp2(s0[2] - muse[1]), p03 = fast_exp2(s0[3] - muse[1]);
-        const float p10 = fast_exp2(s1[0] - muse[0]), p11 = fast_exp2(s1[1] - muse[0]);
-        const float p12 = fast_exp2(s1[2] - muse[1]), p13 = fast_exp2(s1[3] - muse[1]);
+        const float sc = p.scale_log2;
+        const float p00 = fast_exp2(fmaf(s0[0], sc, nms[0])), p01 = fast_exp2(fmaf(s0[1], sc, nms[0]));
+        const float p02 = fast_exp2(fmaf(s0[2], sc, nms[1])), p03 = fast_exp2(fmaf(s0[3], sc, nms[1]));
+        const float p10 = fast_exp2(fmaf(s1[0], sc, nms[0])), p11 = fast_exp2(fmaf(s1[1], sc, nms[0]));
+        const float p12 = fast_exp2(fmaf(s1[2], sc, nms[1])), p13 = fast_exp2(fmaf(s1[3], sc, nms[1]));
         l[0] += (p00 + p01) + (p10 + p11);
         l[1] += (p02 + p03) + (p12 + p13);
         pa[h][0] = pack_bf16(p00, p01);  // row g,     keys 16h + 2q4, +1
