@@ -70,15 +70,6 @@ DDTREE_HD void bf16_unit(int i, int w, int& r, uint32_t& off, int& dim) {
   }
 }
 
-// The same units as lane's strided walk (what the loader issues): latent unit it (0..7, i = lane + 32 it) is row
-// bf16_lat_row(lane, it) at byte column bf16_lat_col(w, lane) of the cache row, slice offset
-// bf16_lat_off(lane, it & 3) + kLatRepeat * (it >> 2) (its swizzle repeats every 8 rows); unit 8 is the rope unit
-// i = 256 + lane of bf16_unit.
-constexpr uint32_t kLatRepeat = 8 * 256;
-DDTREE_HD int bf16_lat_row(int lane, int it) { return (lane >> 4) + 2 * it; }
-DDTREE_HD int bf16_lat_col(int w, int lane) { return 2 * (128 * w + 8 * (lane & 15)); }
-DDTREE_HD uint32_t bf16_lat_off(int lane, int j) { return lat_off(bf16_lat_row(lane, j), lane & 15); }
-
 // fp8 raw slice unit i (0..143): its row, offset in the raw slice, first dim (= byte column in the cache row), and
 // where its 16 widened bf16 values go (two bf16 units).
 DDTREE_HD void fp8_unit(int i, int w, int& r, uint32_t& raw_off, int& dim, uint32_t& bf_off0, uint32_t& bf_off1) {

@@ -230,16 +230,6 @@ __global__ void __launch_bounds__(kDecThreads, kDecMinBlocks<KSUB>) mla_decode_v
     // the block-table load's latency is not paid between a warp's compute and its cp.asyncs (it was, twice a tile).
     // A second slice lies in the same page when pages hold >= 32 tokens; with 16-token pages it reads its own entry.
     auto page_of = [&](int tile) { return big_pages && tile < t1 ? bt[(tile * kTK) >> p.page_log2] : 0; };
-    // bf16 loads from a page: lane's byte offsets of its first latent unit and its rope unit in the page row of the
-    // slice's first key, and its units' slice offsets (unit 8 = i 256 + lane of dec::bf16_unit)
-    uint32_t lat_soff[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) lat_soff[j] = dec::bf16_lat_off(lane, j);
-    int rope_r, rope_dim;
-    uint32_t rope_soff;
-    dec::bf16_unit(256 + lane, warp, rope_r, rope_soff, rope_dim);
-    const uint32_t lat_goff = dec::bf16_lat_row(lane, 0) * row_bytes + dec::bf16_lat_col(warp, lane);
-    const uint32_t rope_goff = rope_r * row_bytes + 2 * rope_dim;
     auto issue = [&](int tile, uint32_t dst, int pg) {
 #pragma unroll
       for (int h = 0; h < KSUB; ++h) {  // the tile's 16-key slices, one after the other in the warp's slot
@@ -266,18 +256,7 @@ __global__ void __launch_bounds__(kDecThreads, kDecMinBlocks<KSUB>) mla_decode_v
           const int page = h == 0 || p.page_log2 >= 5 ? pg : bt[key0 >> p.page_log2];
           const uint8_t* base = p.kv + (int64_t)page * p.kv_page_stride +
                                 (int64_t)(key0 & page_mask) * p.kv_row_stride;
-          if constexpr (FP8) {
-            load_units([&](int r, int col) { return base + static_cast<uint32_t>(r * row_bytes + col); });
-          } else {  // the lane's strided walk (mla_decode_layout.cuh): a pointer step and a cp.async a unit
-            const uint8_t* src = base + lat_goff;
-#pragma unroll
-            for (int it = 0; it < 8; ++it) {
-              cp_async16(sdst + lat_soff[it & 3] + dec::kLatRepeat * (it >> 2), src,
-                         dec::bf16_lat_row(lane, it) < nvalid);
-              src += 2 * static_cast<int64_t>(row_bytes);
-            }
-            cp_async16(sdst + rope_soff, base + rope_goff, rope_r < nvalid);
-          }
+          load_units([&](int r, int col) { return base + static_cast<uint32_t>(r * row_bytes + col); });
         } else {  // pages of fewer than 16 tokens: a block-table read per key
           load_units([&](int r, int col) {
             const int key = key0 + r;

@@ -234,17 +234,6 @@ int main() {
     CHECK(cover[x] == 1, "bf16 coverage of row %d dim %d: %d", x / 576, x % 576, cover[x]);
     CHECK(cover8[x] == 1, "fp8 coverage of row %d dim %d: %d", x / 576, x % 576, cover8[x]);
   }
-  // the loader's strided walk of a lane's latent units equals bf16_unit
-  for (int w = 0; w < 4; ++w)
-    for (int lane = 0; lane < 32; ++lane)
-      for (int it = 0; it < 8; ++it) {
-        int r, dim;
-        uint32_t off;
-        bf16_unit(lane + 32 * it, w, r, off, dim);
-        CHECK(r == bf16_lat_row(lane, it) && 2 * dim == bf16_lat_col(w, lane) &&
-                  off == bf16_lat_off(lane, it & 3) + kLatRepeat * (it >> 2),
-              "strided bf16 unit w=%d lane=%d it=%d", w, lane, it);
-      }
   // output dims: a partition of 512
   std::vector<int> od(512, 0);
   for (int w = 0; w < 4; ++w)
