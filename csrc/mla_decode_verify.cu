@@ -69,8 +69,6 @@ namespace {
 using namespace dev;
 
 constexpr int kDecThreads = 128;
-// Lazy rescaling's slack (log2 units): P values stay <= 2^8 until a row's max moves by more.
-constexpr float kRescaleSlack = 8.f;
 // __launch_bounds__ minimum CTAs an SM: 16-key tiles <= 168 registers (3 CTAs in 64K registers), 32-key tiles 2
 template <int KSUB>
 constexpr int kDecMinBlocks = KSUB == 1 ? 3 : 2;

@@ -374,17 +374,22 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
 #pragma unroll
         for (int j = 0; j < C::kQKNT; ++j)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            float v = sk[j][e] * p.scale_log2;
-            if (masked) {
+          for (int e = 0; e < 4; ++e) sk[j][e] *= p.scale_log2;
+        if (masked) {  // one block the other tiles branch over
+#pragma unroll
+          for (int j = 0; j < C::kQKNT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
               const int key = kbase + j * 8 + 2 * q4 + (e & 1);
               const int tk = key - tree_start;
               const bool vis = key < L && (tk < 0 || ((bits[e >> 1] >> tk) & 1ull));
-              v = vis ? v : -INFINITY;
+              sk[j][e] = vis ? sk[j][e] : -INFINITY;
             }
-            sk[j][e] = v;
-            mx[e >> 1] = fmaxf(mx[e >> 1], v);
-          }
+        }
+#pragma unroll
+        for (int j = 0; j < C::kQKNT; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], sk[j][e]);
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 1));
@@ -398,15 +403,21 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
         float muse[2], alpha[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const float other = red[(kq ^ 1) * kBM + (e ? own1 : own0)];
-          const float mnew = fmaxf(m[e], fmaxf(mx[e], other));
-          muse[e] = mnew == -INFINITY ? 0.f : mnew;  // fully masked so far: keep exp2 finite
-          alpha[e] = fast_exp2(m[e] - muse[e]);
-          m[e] = mnew;
-          l[e] *= alpha[e];
+          // lazy rescaling (as in the decode kernel): the reference max m moves only when the tile's max exceeds it
+          // by more than kRescaleSlack, so P <= 2^kRescaleSlack and most tiles leave O alone (alpha = 1); both key
+          // halves see the same tile max, so they decide alike
+          const float mt = fmaxf(mx[e], red[(kq ^ 1) * kBM + (e ? own1 : own0)]);
+          alpha[e] = 1.f;
+          if (mt > m[e] + kRescaleSlack) {  // false while mt = -inf; true for the first finite max (m = -inf)
+            alpha[e] = fast_exp2(m[e] - mt);
+            m[e] = mt;
+            l[e] *= alpha[e];
+          }
+          muse[e] = m[e] == -INFINITY ? 0.f : m[e];  // fully masked so far: keep exp2 finite
           if (VRES && kq == 0 && q4 == 0) srow[e ? own1 : own0] = alpha[e];
         }
-        if constexpr (!VRES) {  // portable: this thread's O rows are its softmax rows, so rescale here
+        // portable: this thread's O rows are its softmax rows, so rescale here (when some row's max moved)
+        if (!VRES && __any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
           for (int v = 0; v < 8; ++v)
 #pragma unroll
@@ -445,6 +456,7 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
                   ldsm_x4(pa[mi][ks], sPu + pr * (C::kPStride * 2) + ((ks * 2 + (lane >> 4)) << 4));
                 if constexpr (VRES) {  // resident: the softmax rows are another warp's; alpha comes through srow
                   const float a0 = srow[pv_row0 + mi * 16 + g], a1 = srow[pv_row0 + mi * 16 + g + 8];
+                  if (__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f))
 #pragma unroll
                   for (int v = 0; v < 8; ++v)
 #pragma unroll

@@ -12,6 +12,9 @@ constexpr int kDV = 512;         // output / value width
 constexpr int kBM = 64;          // packed (node, head) rows per CTA
 constexpr int kSchedOverhead = 5;  // per-piece cost in KV tiles, used by the device scheduler
 constexpr int kMaxTreeTokens = 64;  // tree_bits is one uint64 per query
+// Lazy rescaling (both kernels' online softmax): a row's reference max moves only when a tile's max exceeds it by
+// more than this (log2 units), so P <= 2^8 (bf16 keeps its relative precision) and O is rescaled on few tiles.
+constexpr float kRescaleSlack = 8.f;
 
 // Split plan of the 64-row kernels' planner (mla_sched_kernel), one int32 buffer. MP = B + P pieces at most (each
 // piece ends a request or a part).
