@@ -160,7 +160,9 @@ def hopper_split_time(q: torch.Tensor, caches: list, tables: list, B: int, L: in
 
 def kernel_breakdown_us(fn, calls: int = 20) -> dict[str, float]:
     """Device microseconds per launch of each kernel ``fn`` launches (eager, torch.profiler): where the time of one
-    call goes (split planner, main kernel, combine); their sum leaves out the gaps between launches."""
+    call goes (split planner, main kernel, combine); their sum leaves out the gaps between launches. With programmatic
+    dependent launch (the decode kernel on sm_90+) a kernel's span includes its wait on the one before it: run with
+    DDTREE_MLA_PDL=0 for separate times."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(3):
