@@ -40,8 +40,11 @@
 //   tile i - 1 (at i = 0 the bf16 Q staging slot, whose fragments are already in registers).
 // - S exchange: buffer xb alternates per tile. Warps write partials, __syncthreads, read all four. A warp writes the
 //   same buffer again two tiles later, after the next tile's barrier, which every warp reaches only after reading.
-// - Every warp adds the 4 partials in warp order 0..3, so S, the row max m, alpha, P and l are bit-identical in all
-//   warps; each warp rescales and normalizes its own O columns with them, warp 0 writes the lse.
+// - Every warp sums the 4 partials in the same order, (w0 + w1) + (w2 + w3), so S, the reference max m and its
+//   lazy-rescaling decisions, alpha, P and l are bit-identical in all warps; each warp rescales and normalizes its
+//   own O columns with them, warp 0 writes the lse.
+// - Programmatic dependent launch (sm_90+, launch_kernel below): both kernels start with griddepcontrol.wait, before
+//   any memory access, so each sees its predecessor complete (the combine: this kernel's partials and split counts).
 // - Rows >= rows (padding of the 16-row block) have zero Q, so finite S, and are never stored. Requests with q_len 0
 //   or L = 0 get no piece (the walk skips them), so no block-table read and no write.
 // - part_plan runs in every thread before the piece loop (its three __syncthreads are reached by all). Of shared
@@ -411,7 +414,7 @@ __global__ void __launch_bounds__(kDecThreads, kDecMinBlocks<KSUB>) mla_decode_v
       // (it was on two in three at B = 1 x 128k, H 8: 64 FMUL a warp each). m, l and O stay consistent: lse = m +
       // log2(l) whatever m is. Every warp makes the same decision (same S).
       bool moved = false;
-      float nms[2], alpha[2];  // -m * scale... : the FFMA's addend; alpha: O's factor
+      float nms[2], alpha[2];  // nms: -m, the exp2 FFMA's addend; alpha: O's factor
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
