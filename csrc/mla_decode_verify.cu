@@ -376,7 +376,8 @@ __global__ void __launch_bounds__(kDecThreads, kDecMinBlocks<KSUB>) mla_decode_v
       for (int k = 0; k < kNT; ++k) {
         float4 a[dec::kWarps];
 #pragma unroll
-        for (int w = 0; w < dec::kWarps; ++w) a[w] = *reinterpret_cast<const float4*>(xs + dec::xs_off(xb, w, k, lane, kNT));
+        for (int w = 0; w < dec::kWarps; ++w)
+          a[w] = *reinterpret_cast<const float4*>(xs + dec::xs_off(xb, w, k, lane, kNT));
         s[k][0] = (a[0].x + a[1].x) + (a[2].x + a[3].x);
         s[k][1] = (a[0].y + a[1].y) + (a[2].y + a[3].y);
         s[k][2] = (a[0].z + a[1].z) + (a[2].z + a[3].z);
