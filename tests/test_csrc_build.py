@@ -127,6 +127,23 @@ def test_unknown_kernel_variant_is_refused(monkeypatch: pytest.MonkeyPatch) -> N
     assert ops.check_kernel_variant() == "auto"
 
 
+def test_non_positive_scales_are_refused() -> None:
+    """The kernels take each row's max over unscaled scores, which needs positive scales: others fail with that
+    reason, before any build."""
+    torch = pytest.importorskip("torch")
+    from vllm_ddtree import ops
+
+    T, H, B = 2, 8, 1
+    tensors = (torch.empty(T, H, 512, dtype=torch.bfloat16), torch.empty(T, H, 64, dtype=torch.bfloat16),
+               torch.empty(3, 64, 576, dtype=torch.bfloat16), torch.empty(B, 3, dtype=torch.int32),
+               torch.empty(B, dtype=torch.int32), torch.empty(B + 1, dtype=torch.int32),
+               torch.empty(T, dtype=torch.int64))
+    outs = (torch.empty(T, H, 512, dtype=torch.bfloat16), torch.empty(T, H, dtype=torch.float32))
+    for scale, kv_scale in ((0.0, 1.0), (-0.04, 1.0), (0.04, 0.0), (float("inf"), 1.0), (float("nan"), 1.0)):
+        with pytest.raises(ValueError, match="must be positive and finite"):
+            ops.mla_tree_verify(*tensors, scale, kv_scale, *outs)
+
+
 def test_csrc_override_is_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """VLLM_DDTREE_CSRC (A/B of kernel sources) may be relative; the build gets it absolute (its ninja file names
     the sources from the build directory), and a directory without the sources fails with the fix."""

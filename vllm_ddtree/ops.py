@@ -8,6 +8,7 @@ which makes the op usable inside ``torch.compile`` graphs and CUDA-graph capture
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import threading
 from pathlib import Path
@@ -125,6 +126,9 @@ def mla_tree_verify(
         raise ValueError(f"q_nope must be [T,H,512] and q_pe [T,H,64], got {tuple(q_nope.shape)}, {tuple(q_pe.shape)}")
     if kv_cache.dim() != 3 or kv_cache.shape[-1] != 576:
         raise ValueError(f"kv_cache must be [blocks, block_size, 576], got {tuple(kv_cache.shape)}")
+    if not (softmax_scale > 0 and kv_scale > 0 and math.isfinite(softmax_scale * kv_scale)):
+        raise ValueError(f"softmax_scale and kv_scale must be positive and finite (the kernels take each row's max "
+                         f"over unscaled scores), got {softmax_scale}, {kv_scale}")
     if kv_cache.dtype == torch.float8_e4m3fn:
         kv_cache = kv_cache.view(torch.uint8)
     check_kernel_variant()
