@@ -674,7 +674,7 @@ void launch_mla_tree_verify(const MlaParams& p, cudaStream_t stream) {
   if (p.variant == kVariantResidentV) {
     launch_config<64, 2, true>(p, false, stream);  // under auto > 32 rows a request (fewer: decode kernel)
   } else {
-    launch_config<32, 5, false>(p, rows <= 48, stream);  // SHORT: at least the last 16-row group of a tile is empty
+    launch_mla_portable_main(p, stream);
   }
   dim3 cgrid(p.B, (rows + 7) / 8);
   mla_combine_kernel<<<cgrid, 256, 0, stream>>>(p);

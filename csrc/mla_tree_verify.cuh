@@ -107,6 +107,10 @@ int mla_decode_ctas_per_sm(int device, bool fp8);
 // Decode variant launch: main kernel (each CTA plans its own part), wide combine (mla_decode_verify.cu).
 void launch_mla_decode(const MlaParams& p, cudaStream_t stream);
 
+// Portable variant's main kernel (mla_tree_verify_portable.cu); launch_mla_tree_verify runs the scheduler before it
+// and the combine after it.
+void launch_mla_portable_main(const MlaParams& p, cudaStream_t stream);
+
 // Launches scheduler, main kernel and combine on `stream`. No host synchronization, no host reads of device data.
 void launch_mla_tree_verify(const MlaParams& p, cudaStream_t stream);
 

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = ("bindings.cpp", "mla_tree_verify.cu", "mla_tree_verify_sched.cu", "mla_decode_verify.cu")
+_SOURCES = ("bindings.cpp", "mla_tree_verify.cu", "mla_tree_verify_portable.cu", "mla_tree_verify_sched.cu",
+            "mla_decode_verify.cu")
 _HEADERS = ("mla_tree_verify.cuh", "mla_device_utils.cuh", "mla_decode_layout.cuh", "mla_sched_plan.cuh",
             "host_device.cuh")
 _lock = threading.Lock()

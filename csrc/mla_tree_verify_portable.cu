@@ -1,0 +1,392 @@
+// MLA tree-verify attention, portable path: mma.sync and <= 99 KB of shared memory per block, so one source serves
+// sm_80 / sm_86 / sm_89 / sm_120 (and runs on the H200 for correctness).
+//
+// Why this shape: with mma.sync every warp reads its operands from shared memory, and at MLA's 576-dim keys that
+// traffic bounds the kernel. Keeping Q (64 rows x 576 bf16 = 72 KB) in shared memory left room for a ring of a few
+// 64-dim chunks only, so V had to be fetched a second time and QK read Q and K per warp (the first portable kernel:
+// 0.27-0.32x FlashMLA on the H200). Here Q lives in registers, split over a warp pair by k-step parity, so shared
+// memory holds two whole KV tiles (V is read from the K tile already there) and QK reads K only.
+//
+// One CTA: 64 packed rows r = node*H + head of one request, 8 warps, KV tiles of 32 tokens, double-buffered.
+// - QK: warp (row group g = warp & 3, k-step parity c = warp >> 2) holds Q[16 rows of g, its 16 latent k-steps
+//   2i + c] in 64 registers (the 4 rope k-steps come from shared memory: the registers would spill) and adds S[16 x 32]
+//   over its k-steps; the pair swaps row halves through shared memory, so each thread
+//   ends with one row's full S (row 16g + 8c + lane/4, 8 of the 32 keys) and its quad does that row's softmax.
+// - PV: warp w owns O[64 rows x dims 64w .. 64w+63] (128 registers): P from shared memory, V = chunk w of the tile.
+// Split-KV pieces come from the device scheduler (mla_tree_verify_sched.cu); a split request writes normalized fp32
+// partials and base-2 lse for the combine kernel, like the resident-V kernel (mla_tree_verify.cu).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+
+#include "mla_device_utils.cuh"
+#include "mla_tree_verify.cuh"
+
+namespace ddtree {
+namespace {
+
+using namespace dev;  // mla_device_utils.cuh
+
+template <bool FP8>
+struct PortableCfg {
+  static constexpr int kBN = 32;  // tokens per KV tile (the scheduler's block_n for this variant)
+  static constexpr int kThreads = 256;
+  static constexpr int kChunk = kBN * 128;                      // one swizzled [32 x 64] bf16 chunk
+  static constexpr int kTile = 9 * kChunk;                      // a bf16 tile: 9 chunks, 36 KB
+  static constexpr int kRawTile = FP8 ? kBN * kDQK : kTile;     // fp8 tiles land as [32 x 576] bytes
+  static constexpr int kOffConv = 2 * kRawTile;                 // fp8: the current tile widened to bf16
+  static constexpr int kOffP = kOffConv + (FP8 ? kTile : 0);
+  static constexpr int kPStride = kBN + 8;                      // bf16 per sP row: conflict-free stores and ldmatrix
+  static constexpr int kOffEx = kOffP + kBM * kPStride * 2;
+  static constexpr int kExBytes = 4 * 2 * 8 * 32 * 4;           // [row group][giver][8 values][lane] fp32
+  static constexpr int kOffQpe = kOffEx + kExBytes;             // Q's rope dims: a swizzled [64 x 64] bf16 chunk
+  static constexpr int kOffRow = kOffQpe + kBM * 128;           // [64] alpha of the tile, then kv_scale / l
+  static constexpr int kSmem = kOffRow + kBM * 4;
+  static_assert(kSmem <= 101376, "portable path must fit sm_120's 99 KB per block");
+  static constexpr int kUnitsPerRow = FP8 ? 36 : 72;            // 16-byte units per token
+  static constexpr int kLoadIters = (kUnitsPerRow + 7) / 8;     // 8 threads per token
+  static constexpr int kWidenIters = (kBN * 36 + kThreads - 1) / kThreads;
+};
+
+__device__ __forceinline__ void pair_barrier(int id) {  // the two warps of a row group (64 threads)
+  asm volatile("bar.sync %0, 64;\n" ::"r"(id) : "memory");
+}
+
+// One 32-bit pair of Q elements as bf16 (fp16 queries are converted; rows past the request are zero).
+__device__ __forceinline__ uint32_t q_pair(const uint16_t* src, bool valid, bool fp16) {
+  if (!valid) return 0u;
+  const uint32_t raw = __ldg(reinterpret_cast<const unsigned int*>(src));
+  if (!fp16) return raw;
+  __half2 h;
+  memcpy(&h, &raw, 4);
+  const float2 f = __half22float2(h);
+  return pack_bf16(f.x, f.y);
+}
+
+template <bool FP8>
+__global__ void __launch_bounds__(256, 1) mla_tree_verify_portable_kernel(const MlaParams p) {
+  using C = PortableCfg<FP8>;
+  constexpr int BN = C::kBN;
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = warp & 3, c = warp >> 2;  // QK: row group, k-step parity
+  const int g8 = lane >> 2, q4 = lane & 3;
+  const int lr = 16 * g + 8 * c + g8;  // the CTA-local row whose softmax this thread's quad keeps
+  const int rt = blockIdx.x, part = blockIdx.y;
+
+  const uint32_t sRing = smem_u32(smem);
+  const uint32_t sConv = smem_u32(smem + C::kOffConv);
+  const uint32_t sPu = smem_u32(smem + C::kOffP);
+  __nv_bfloat16* sP = reinterpret_cast<__nv_bfloat16*>(smem + C::kOffP);
+  float* ex = reinterpret_cast<float*>(smem + C::kOffEx);
+  float* srow = reinterpret_cast<float*>(smem + C::kOffRow);
+  const uint32_t sQpe = smem_u32(smem + C::kOffQpe);
+
+  // QK operand offsets: k-step 2i + c of key n-tile pair jj is chunk i/2, 16-byte unit ((i&1) << 2 | c << 1 | hi),
+  // swizzled with the key's low bits; only i's parity changes the unit, so two offsets serve every step.
+  const int qk_key = (lane & 7) + ((lane >> 4) << 3);
+  const int qk_x = ((c << 1) | ((lane >> 3) & 1)) ^ (lane & 7);
+  const uint32_t qk_off_even = qk_key * 128 + (qk_x << 4), qk_off_odd = qk_key * 128 + ((qk_x ^ 4) << 4);
+  // loader: token lrow of a tile, 16-byte units u0 + 8k
+  const int lrow = tid >> 3, u0 = tid & 7;
+
+  SchedView sv(p.sched, p.B, p.num_parts);
+  const int pc_begin = sv.part_begin[part], pc_end = sv.part_begin[part + 1];
+  const int page_mask = (1 << p.page_log2) - 1;
+
+  for (int pc = pc_begin; pc < pc_end; ++pc) {
+    const int b = sv.piece_req[pc];
+    const int q0 = p.qsl[b];
+    const int n = p.qsl[b + 1] - q0;
+    const int rows = n * p.H;
+    if (rt * kBM >= rows) continue;  // uniform across the CTA
+    const int L = p.seq_lens[b];
+    const int t0 = sv.piece_t0[pc], t1 = sv.piece_t1[pc];
+    const int slot = sv.piece_slot[pc];
+    const int tree_start = L - n;
+    const int* bt = p.block_table + (int64_t)b * p.bt_stride;
+    const bool qk_work = 16 * g < rows - rt * kBM;  // warp-uniform: a row group past the request skips its mma
+
+    auto page_of = [&](int tile) {
+      const int tok = tile * BN + lrow;
+      return tok < L ? bt[tok >> p.page_log2] : 0;
+    };
+    auto issue_tile = [&](int tile, int page, uint32_t stage) {  // one cp.async group; tokens past L zero-filled
+      const int tok = tile * BN + lrow;
+      const bool ok = tok < L;
+      const uint8_t* src = ok ? p.kv + (int64_t)page * p.kv_page_stride + (int64_t)(tok & page_mask) * p.kv_row_stride
+                              : p.kv;
+#pragma unroll
+      for (int k = 0; k < C::kLoadIters; ++k) {
+        const int u = u0 + 8 * k;
+        if (u < C::kUnitsPerRow) {
+          const uint32_t dst = FP8 ? stage + lrow * kDQK + u * 16 : stage + k * C::kChunk + swz(lrow, u0);
+          cp_async16(dst, ok ? src + u * 16 : src, ok);
+        }
+      }
+      cp_async_commit();
+    };
+
+    __syncthreads();  // the previous piece is done with every buffer
+    // Q's rope dims -> sQpe (joins tile t0's cp.async group); rows past the request are zero
+#pragma unroll
+    for (int it = 0; it < kBM * 8 / C::kThreads; ++it) {
+      const int i = tid + it * C::kThreads, r = i >> 3, u = i & 7;
+      const int row = rt * kBM + r;
+      const bool valid = row < rows;
+      const int64_t tok = q0 + (valid ? row / p.H : 0);
+      const uint8_t* src = reinterpret_cast<const uint8_t*>(p.q_pe) +
+                           (tok * p.q_pe_s0 + (valid ? row % p.H : 0) * p.q_pe_s1 + u * 8) * 2;
+      if (!p.q_fp16) {
+        cp_async16(sQpe + swz(r, u), src, valid);
+      } else {
+        sts128(sQpe + swz(r, u), valid ? half8_to_bf16(*reinterpret_cast<const uint4*>(src)) : make_uint4(0, 0, 0, 0));
+      }
+    }
+    if (t0 < t1) issue_tile(t0, page_of(t0), sRing);
+    int next_page = t0 + 1 < t1 ? page_of(t0 + 1) : 0;
+
+    // ---- Q fragments of this warp's 16 rows and latent k-steps 2i + c (A operand of m16n8k16: rows g8, g8 + 8)
+    uint32_t qa[16][4];
+    {
+      const uint16_t* nope[2];
+      bool valid[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int row = rt * kBM + 16 * g + g8 + 8 * e;
+        valid[e] = row < rows;
+        const int64_t tok = q0 + (valid[e] ? row / p.H : 0);
+        nope[e] = reinterpret_cast<const uint16_t*>(p.q_nope) + tok * p.q_nope_s0 + (valid[e] ? row % p.H : 0) * p.q_nope_s1;
+      }
+#pragma unroll
+      for (int i = 0; i < 16; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          qa[i][e] = q_pair(nope[e & 1] + 32 * i + 16 * c + 2 * q4 + (e >> 1) * 8, valid[e & 1], p.q_fp16);
+    }
+
+    float m = -INFINITY, l = 0.f;  // row lr: reference max (log2 units, scaled) and this thread's partial sum
+    float o[4][8][4];               // O[rows mi*16 + g8 (+8), dims 64 warp + nt*8 + 2q4 (+1)]
+#pragma unroll
+    for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[mi][nt][e] = 0.f;
+
+    for (int tile = t0; tile < t1; ++tile) {
+      const uint32_t stage = sRing + ((tile - t0) & 1) * C::kRawTile;
+      cp_async_wait<0>();
+      __syncthreads();  // this tile is in shared memory; every warp is done with the last tile's buffers
+      if (tile + 1 < t1) {  // the next tile streams in while this one is computed
+        issue_tile(tile + 1, next_page, sRing + ((tile + 1 - t0) & 1) * C::kRawTile);
+        if (tile + 2 < t1) next_page = page_of(tile + 2);
+      }
+      uint32_t kv = stage;
+      if constexpr (FP8) {  // widen once, for all warps
+#pragma unroll 1
+        for (int it = 0; it < C::kWidenIters; ++it) {
+          const int i = tid + it * C::kThreads;
+          if (i < BN * 36) {
+            const int r = i / 36, u = i % 36;
+            uint4 w[2];
+            fp8x16_to_bf16(lds128(stage + r * kDQK + u * 16), w);
+            sts128(sConv + (u >> 2) * C::kChunk + swz(r, (u & 3) * 2), w[0]);
+            sts128(sConv + (u >> 2) * C::kChunk + swz(r, (u & 3) * 2 + 1), w[1]);
+          }
+        }
+        __syncthreads();
+        kv = sConv;
+      }
+
+      // ---- S[16 rows of g x 32 keys] over k-steps 2i + c
+      float s[4][4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[j][e] = 0.f;
+      if (qk_work) {
+#pragma unroll
+        for (int i = 0; i < 18; ++i) {
+          const uint32_t kb = kv + (i >> 1) * C::kChunk + ((i & 1) ? qk_off_odd : qk_off_even);
+          uint32_t qpe[4];
+          if (i >= 16) ldsm_x4(qpe, sQpe + swz(16 * g + (lane & 15), 2 * (2 * (i - 16) + c) + (lane >> 4)));
+#pragma unroll
+          for (int jj = 0; jj < 2; ++jj) {
+            uint32_t bq[4];
+            ldsm_x4(bq, kb + jj * 16 * 128);
+            mma_bf16(s[2 * jj], i < 16 ? qa[i] : qpe, bq[0], bq[1]);
+            mma_bf16(s[2 * jj + 1], i < 16 ? qa[i] : qpe, bq[2], bq[3]);
+          }
+        }
+      }
+      // ---- the pair swaps row halves: parity c keeps rows g8 + 8c (accumulator elements 2c, 2c + 1)
+      float sk[4][2];
+      {
+        float* give = ex + (g * 2 + c) * 8 * 32 + lane;
+        const float* take = ex + (g * 2 + (c ^ 1)) * 8 * 32 + lane;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          give[(2 * j) * 32] = c ? s[j][0] : s[j][2];
+          give[(2 * j + 1) * 32] = c ? s[j][1] : s[j][3];
+        }
+        pair_barrier(1 + g);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          sk[j][0] = (c ? s[j][2] : s[j][0]) + take[(2 * j) * 32];
+          sk[j][1] = (c ? s[j][3] : s[j][1]) + take[(2 * j + 1) * 32];
+        }
+      }
+      // ---- online softmax of row lr (log2 units); the tree mask only on tiles that reach the tree keys
+      const int row = rt * kBM + lr;
+      if ((tile + 1) * BN > tree_start) {  // one block the other tiles branch over
+        const uint64_t bits = row < rows ? static_cast<uint64_t>(p.tree_bits[q0 + row / p.H]) : ~0ull;
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int key = tile * BN + j * 8 + 2 * q4 + e;
+            const int tk = key - tree_start;
+            const bool vis = key < L && (tk < 0 || ((bits >> tk) & 1ull));
+            sk[j][e] = vis ? sk[j][e] : -INFINITY;
+          }
+      }
+      float mx = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) mx = fmaxf(mx, fmaxf(sk[j][0], sk[j][1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      // lazy rescaling: the reference max moves only when the tile's max exceeds it by more than kRescaleSlack
+      // (P <= 2^kRescaleSlack), so most tiles leave O alone; the scale is positive, so it commutes with the max
+      const float mt = mx * p.scale_log2;
+      float alpha = 1.f;
+      if (mt > m + kRescaleSlack) {  // false while mt = -inf; true for the first finite max (m = -inf)
+        alpha = fast_exp2(m - mt);
+        m = mt;
+        l *= alpha;
+      }
+      const float muse = m == -INFINITY ? 0.f : m;  // fully masked so far: keep exp2 finite
+      if (q4 == 0) srow[lr] = alpha;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float p0 = fast_exp2(fmaf(sk[j][0], p.scale_log2, -muse));
+        const float p1 = fast_exp2(fmaf(sk[j][1], p.scale_log2, -muse));
+        l += p0 + p1;
+        *reinterpret_cast<uint32_t*>(sP + lr * C::kPStride + j * 8 + 2 * q4) = pack_bf16(p0, p1);
+      }
+      __syncthreads();  // sP and alpha of all 64 rows are written
+
+      // ---- O[64 rows x dims 64 warp ..] = alpha O + P V_warp
+      float a[4][2];
+#pragma unroll
+      for (int mi = 0; mi < 4; ++mi) {
+        a[mi][0] = srow[mi * 16 + g8];
+        a[mi][1] = srow[mi * 16 + g8 + 8];
+      }
+      bool moved = false;
+#pragma unroll
+      for (int mi = 0; mi < 4; ++mi) moved |= a[mi][0] != 1.f || a[mi][1] != 1.f;
+      if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+        for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+          for (int nt = 0; nt < 8; ++nt) {
+            o[mi][nt][0] *= a[mi][0];
+            o[mi][nt][1] *= a[mi][0];
+            o[mi][nt][2] *= a[mi][1];
+            o[mi][nt][3] *= a[mi][1];
+          }
+      }
+      const uint32_t vb = kv + warp * C::kChunk;
+#pragma unroll
+      for (int ks = 0; ks < BN / 16; ++ks) {
+        const int key = ks * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+        uint32_t bv[4][4];
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj) ldsm_x4_t(bv[jj], vb + swz(key, jj * 2 + (lane >> 4)));
+#pragma unroll
+        for (int mi = 0; mi < 4; ++mi) {
+          uint32_t pa[4];
+          ldsm_x4(pa, sPu + (mi * 16 + (lane & 15)) * (C::kPStride * 2) + ((ks * 2 + (lane >> 4)) << 4));
+#pragma unroll
+          for (int jj = 0; jj < 4; ++jj) {
+            mma_bf16(o[mi][2 * jj], pa, bv[jj][0], bv[jj][1]);
+            mma_bf16(o[mi][2 * jj + 1], pa, bv[jj][2], bv[jj][3]);
+          }
+        }
+      }
+    }
+
+    // ---- epilogue: the quad's sum is row lr's full sum; its owner writes lse and kv_scale / l, then every warp
+    // normalizes and writes its O block
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    cp_async_wait<0>();  // a piece without tiles still issued its sQpe loads
+    __syncthreads();  // the last tile's readers of srow are done
+    const int rstride = p.max_q * p.H;
+    if (q4 == 0) {
+      srow[lr] = l > 0.f ? p.kv_scale / l : 0.f;
+      const int row = rt * kBM + lr;
+      if (row < rows) {
+        const float lse2 = l > 0.f ? m + log2f(l) : -INFINITY;
+        if (slot < 0) {
+          p.lse[(q0 + row / p.H) * p.lse_s0 + (row % p.H) * p.lse_s1] = lse2 * kLn2;
+        } else {
+          p.ws_lse[(int64_t)slot * rstride + row] = lse2;
+        }
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+      for (int eh = 0; eh < 2; ++eh) {
+        const int orl = mi * 16 + g8 + 8 * eh;
+        const int row = rt * kBM + orl;
+        if (row >= rows) continue;
+        const float inv = srow[orl];
+        if (slot < 0) {
+          const int64_t tok = q0 + row / p.H;
+          char* orow = reinterpret_cast<char*>(p.out) + (tok * p.out_s0 + (row % p.H) * p.out_s1) * 2;
+#pragma unroll
+          for (int nt = 0; nt < 8; ++nt) {
+            const int d = warp * 64 + nt * 8 + 2 * q4;
+            *reinterpret_cast<uint32_t*>(orow + d * 2) =
+                pack_out(o[mi][nt][2 * eh] * inv, o[mi][nt][2 * eh + 1] * inv, p.out_fp16);
+          }
+        } else {
+          float* wrow = p.ws_o + ((int64_t)slot * rstride + row) * kDV;
+#pragma unroll
+          for (int nt = 0; nt < 8; ++nt) {
+            const int d = warp * 64 + nt * 8 + 2 * q4;
+            *reinterpret_cast<float2*>(wrow + d) = make_float2(o[mi][nt][2 * eh] * inv, o[mi][nt][2 * eh + 1] * inv);
+          }
+        }
+      }
+  }
+}
+
+template <bool FP8>
+void launch_portable(const MlaParams& p, cudaStream_t stream) {
+  using C = PortableCfg<FP8>;
+  auto kern = mla_tree_verify_portable_kernel<FP8>;
+  static bool attr_set = false;  // once per process; not a stream op, harmless during graph capture
+  if (!attr_set) {
+    cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
+    attr_set = true;
+  }
+  kern<<<dim3(p.num_row_tiles, p.num_parts), C::kThreads, C::kSmem, stream>>>(p);
+}
+
+}  // namespace
+
+void launch_mla_portable_main(const MlaParams& p, cudaStream_t stream) {
+  if (p.kv_fp8) {
+    launch_portable<true>(p, stream);
+  } else {
+    launch_portable<false>(p, stream);
+  }
+}
+
+}  // namespace ddtree
