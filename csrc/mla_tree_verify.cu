@@ -1,22 +1,19 @@
-// MLA tree-verify attention, portable mma.sync path (sm_80 / sm_90 / sm_120, <= 99 KB shared memory per block).
+// MLA tree-verify attention, resident-V path: large-shared-memory GPUs (sm_90, ~226 KB a block), mma.sync.
 //
-// One CTA owns 64 packed rows r = node*H + head of one request and streams that request's KV tiles (BN tokens)
-// through a cp.async ring of BN x 64-dim chunks: 9 K chunks feed S = Q K^T, then the same tokens' 8 V chunks
-// (the first 512 dims, re-read from L2) feed O += P V. Q (64 x 576 bf16 = 72 KB) stays resident in shared memory.
-// mma.sync reads every operand from shared memory per warp. Resident tiles (sm_90), where that is the limit, use
-// warp tiles with fewer smem bytes per mma:
-// - QK: warp (row half, key half kq, k-step half dh) adds k-steps 2dh, 2dh+1 of every chunk into S[32 x BN/2];
+// One CTA owns 64 packed rows r = node*H + head of one request and streams that request's KV tiles (64 tokens):
+// two whole tiles of 9 swizzled 64-dim chunks stay resident, the next one streams in (issued at the start of this one)
+// while this one is computed, and V is read from the K chunks already in shared memory; an fp8 tile is widened to bf16
+// once, at its start. Q (64 x 576 bf16 = 72 KB) stays resident in shared memory and mma.sync reads every operand from
+// there per warp, so the warp tiles keep the bytes per mma low:
+// - QK: warp (row half, key half kq, k-step half dh) adds k-steps 2dh, 2dh+1 of every chunk into S[32 x 32];
 //   the dh pair then swaps 16-row blocks through shared memory and each keeps one block's full sums for the softmax.
-// - PV: warp (row half, dim quarter) owns O[32 rows x 16 dims of every 64-dim chunk], so V is read by 2 warps, not 4.
-// The portable ring is bound by the bytes it keeps in flight (measured on the H200: those tiles made it 9-14 %
-// slower), so it keeps 4 row groups x 2 halves: QK over all k-steps of a key half, PV over a 32-dim half.
-// Either way O is 128 fp32 registers per thread and P passes through shared memory (on resident tiles also the
-// per-row rescale, whose softmax rows belong to other warps). In SHORT portable launches (33-48 rows a request in
-// batches under auto; fewer rows go to the decode kernel, mla_decode_verify.cu) a warp skips the mma of its 16-row
-// group when that holds no query. Other launches compute every row: their tiles are full but for a request's last,
-// and the skip's code cost them 3-4 % (H200, portable) where nothing is skipped.
-// Split-KV: the device scheduler (mla_tree_verify_sched.cu) hands each part a list of pieces (request, tile range);
-// a request cut into several pieces writes normalized fp32 partials + base-2 lse, merged by the combine kernel.
+// - PV: warp (row half, dim quarter) owns O[32 rows x 16 dims of every 64-dim chunk] (128 fp32 registers), so V is
+//   read by 2 warps, not 4; P and the per-row rescale (whose softmax rows belong to other warps) pass through shared
+//   memory.
+// GPUs without that shared memory take the portable kernel (mla_tree_verify_portable.cu); few rows a request go to the
+// decode kernel (mla_decode_verify.cu). Split-KV: the device scheduler (mla_tree_verify_sched.cu) hands each part a
+// list of pieces (request, tile range); a request cut into several pieces writes normalized fp32 partials + base-2
+// lse, merged by the combine kernel below.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -24,7 +21,6 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <type_traits>
 
 #include "mla_device_utils.cuh"
 #include "mla_tree_verify.cuh"
@@ -37,36 +33,28 @@ namespace {
 
 using namespace dev;  // mla_device_utils.cuh
 
-constexpr int kTileSteps = 17;  // 9 K chunks + 8 V chunks per tile
-
-// VRES = false: portable (<= 99 KB): a ring of STAGES chunks; V chunks are fetched again (from L2).
-// VRES = true: large-smem GPUs (sm_90: 227 KB): STAGES whole tiles of 9 chunks stay resident, V is read from the
-// K chunks already in shared memory and the next tile streams in (issued at the start of this one) while this one is
-// computed; an fp8 tile is widened to bf16 once, at its start.
-template <int BN, int STAGES, bool FP8, bool VRES>
+template <bool FP8>
 struct KCfg {
+  static constexpr int BN = 64;  // tokens per KV tile
   static constexpr int kThreads = 256;
   static constexpr int kRowBytes = FP8 ? 64 : 128;  // raw bytes per token in one 64-dim chunk
   static constexpr int kRawChunk = BN * kRowBytes;
   static constexpr int kBfChunk = BN * 128;
   static constexpr int kPStride = BN + 8;  // bf16 elements per sP row (padding avoids ldmatrix bank conflicts)
   static constexpr int kOffRing = 9 * kBM * 128;  // sQ: 9 swizzled [64 x 64] bf16 chunks = 72 KB
-  static constexpr int kRingChunks = VRES ? STAGES * 9 : STAGES;
-  static constexpr int kOffConv = kOffRing + kRingChunks * kRawChunk;
-  static constexpr int kOffP = kOffConv + (FP8 ? (VRES ? 9 : 1) * kBfChunk : 0);
+  static constexpr int kOffConv = kOffRing + 2 * 9 * kRawChunk;  // two resident tiles
+  static constexpr int kOffP = kOffConv + (FP8 ? 9 * kBfChunk : 0);
   static constexpr int kOffRed = kOffP + kBM * kPStride * 2;
   static constexpr int kSmem = kOffRed + 4 * kBM * 4;  // row maxima / sums per key half, then alpha or 1/l per row
-  static_assert(VRES || kSmem <= 101376, "portable path must fit sm_120's 99 KB per block");
-  static_assert(!VRES || kSmem <= 232448, "resident-V path must fit sm_90's 227 KB per block");
-  static_assert(!VRES || STAGES == 2, "resident-V path double-buffers whole tiles");
+  static_assert(kSmem <= 232448, "resident-V path must fit sm_90's 227 KB per block");
   static constexpr int kUnitsPerRow = kRowBytes / 16;
   static constexpr int kUnits = BN * kUnitsPerRow;  // 16-byte cp.async units per chunk
   static constexpr int kLoadIters = (kUnits + kThreads - 1) / kThreads;
-  // Warp tiles (see the top of the file): resident tiles split QK k-steps across a warp pair and give PV 32 rows.
-  static constexpr int kPVM = VRES ? 2 : 1;   // 16-row blocks per warp in PV
-  static constexpr int kPVNJ = VRES ? 2 : 4;  // 8-dim n-tiles per warp per V chunk
-  static constexpr int kQKM = VRES ? 2 : 1;   // 16-row blocks per warp in QK
-  static constexpr int kQKKS = VRES ? 2 : 4;  // k-steps per 64-dim chunk per warp in QK
+  // Warp tiles (see the top of the file): QK k-steps split across a warp pair, PV over 32 rows.
+  static constexpr int kPVM = 2;   // 16-row blocks per warp in PV
+  static constexpr int kPVNJ = 2;  // 8-dim n-tiles per warp per V chunk
+  static constexpr int kQKM = 2;   // 16-row blocks per warp in QK
+  static constexpr int kQKKS = 2;  // k-steps per 64-dim chunk per warp in QK
   static constexpr int kQKNT = BN / 16;  // 8-key n-tiles per warp in QK (warp covers BN/2 keys)
   static constexpr int kPVKS = BN / 16;  // 16-key k-steps in PV
   // The S exchange: each warp hands its partner 16 rows x BN/2 keys of fp32 partial sums; one half of the warps
@@ -75,27 +63,23 @@ struct KCfg {
   static_assert(4 * kExWarp <= kBfChunk && 4 * kExWarp <= kBM * kPStride * 2, "exchange halves must fit");
 };
 
-// SHORT: a portable launch of few rows per request (max_q * H <= 48): warps without queries skip their mma.
-template <int BN, int STAGES, bool FP8, bool VRES, bool SHORT>
+template <bool FP8>
 __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams p) {
-  using C = KCfg<BN, STAGES, FP8, VRES>;
-  static_assert(!(SHORT && VRES), "resident launches of few rows go to the decode kernel");
+  using C = KCfg<FP8>;
+  constexpr int BN = C::BN;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-  if constexpr (VRES) {  // needs ~226 KB of shared memory per block: never launched before sm_90, so not built
-    __trap();
-    return;
-  }
-#endif
+  __trap();  // needs ~226 KB of shared memory per block: never launched before sm_90, so not built
+#else
   extern __shared__ __align__(128) uint8_t smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  // Resident tiles: row half = warp >> 2, so rows 0-31 belong to warps 0-3, one per SM sub-partition (warp % 4);
-  // with this assignment ptxas allocates the resident kernel without spills (20 / 56 bytes with row half = warp & 1).
-  const int rh = VRES ? warp >> 2 : 0;                        // split QK and PV: row half
-  const int pv_row0 = VRES ? rh * 32 : (warp >> 1) * 16;      // PV: first row of this warp's O block
-  const int pv_d0 = (VRES ? warp & 3 : warp & 1) * 8 * C::kPVNJ;  // PV: first dim of its slice of every chunk
-  const int kq = VRES ? (warp >> 1) & 1 : warp & 1;         // QK: key half
-  const int dh = VRES ? warp & 1 : 0;                        // QK: k-step half (split only)
-  const int qk_row0 = VRES ? rh * 32 : (warp >> 1) * 16;  // QK: first row of this warp's tile (= pv_row0)
+  // Row half = warp >> 2, so rows 0-31 belong to warps 0-3, one per SM sub-partition (warp % 4); with this
+  // assignment ptxas allocates the kernel without spills (20 / 56 bytes with row half = warp & 1).
+  const int rh = warp >> 2;                      // QK and PV: row half
+  const int pv_row0 = rh * 32;                   // PV: first row of this warp's O block
+  const int pv_d0 = (warp & 3) * 8 * C::kPVNJ;  // PV: first dim of its slice of every chunk
+  const int kq = (warp >> 1) & 1;                // QK: key half
+  const int dh = warp & 1;                       // QK: k-step half
+  const int qk_row0 = rh * 32;                   // QK: first row of this warp's tile (= pv_row0)
   const int g = lane >> 2, q4 = lane & 3;
   const int own0 = qk_row0 + dh * 16 + g, own1 = own0 + 8;  // the two rows whose softmax this thread keeps
   const int rt = blockIdx.x, part = blockIdx.y;
@@ -118,10 +102,6 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
     const int n = p.qsl[b + 1] - q0;
     const int rows = n * p.H;
     if (rt * kBM >= rows) continue;  // uniform across the CTA
-    // Whether this warp's QK / PV rows hold any query (warp-uniform; read from lane 0 so the compiler knows it): a
-    // warp without one still takes part in every load and barrier, but skips its mma, so S stays 0, its softmax
-    // finite, and its rows are never stored. Only in SHORT launches (elsewhere every warp computes).
-    const bool row_work = !SHORT || __shfl_sync(0xffffffffu, rt * kBM + qk_row0 < rows, 0);
     const int L = p.seq_lens[b];
     const int t0 = sv.piece_t0[pc], t1 = sv.piece_t1[pc];
     const int slot = sv.piece_slot[pc];
@@ -214,18 +194,11 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
       fetch_pages(t0, pages);
       set_rows(t0, pages);
     }
-    if constexpr (VRES) {  // prologue: all 9 chunks of tile t0 in one group (with Q)
+    // prologue: all 9 chunks of tile t0 in one group (with Q)
 #pragma unroll
-      for (int s = 0; s < 9; ++s) load_chunk(s, s);
-      cp_async_commit();
-      if (t0 + 1 < t1) fetch_pages(t0 + 1, nextpage);
-    } else {
-#pragma unroll
-      for (int s = 0; s < STAGES - 1; ++s) {  // prologue: first STAGES-1 chunks of tile t0 (group 0 also holds Q)
-        load_chunk(s, s);
-        cp_async_commit();
-      }
-    }
+    for (int s = 0; s < 9; ++s) load_chunk(s, s);
+    cp_async_commit();
+    if (t0 + 1 < t1) fetch_pages(t0 + 1, nextpage);
 
     // ---- softmax state of the two kept rows (own0, own1; partial sums over this warp's key half)
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
@@ -240,26 +213,21 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
 #pragma unroll
           for (int e = 0; e < 4; ++e) o[c][mi][nj][e] = 0.f;
 
-    int rd_slot = 0;
     for (int tile = t0; tile < t1; ++tile) {
-      const int tslot = (tile - t0) & 1;  // VRES: which resident tile buffer holds this tile
-      if constexpr (VRES) {
-        cp_async_wait<0>();
-        __syncthreads();  // this tile is in shared memory, and every warp is done with the other buffer
-        if (tile + 1 < t1) {  // the next tile streams in while this one is computed
-          set_rows(tile + 1, nextpage);
+      const int tslot = (tile - t0) & 1;  // which resident tile buffer holds this tile
+      cp_async_wait<0>();
+      __syncthreads();  // this tile is in shared memory, and every warp is done with the other buffer
+      if (tile + 1 < t1) {  // the next tile streams in while this one is computed
+        set_rows(tile + 1, nextpage);
 #pragma unroll
-          for (int s = 0; s < 9; ++s) load_chunk(s, (tslot ^ 1) * 9 + s);
-          cp_async_commit();
-          if (tile + 2 < t1) fetch_pages(tile + 2, nextpage);  // used one tile later
-        }
-        if constexpr (FP8) {
+        for (int s = 0; s < 9; ++s) load_chunk(s, (tslot ^ 1) * 9 + s);
+        cp_async_commit();
+        if (tile + 2 < t1) fetch_pages(tile + 2, nextpage);  // used one tile later
+      }
+      if constexpr (FP8) {
 #pragma unroll 1
-          for (int cc = 0; cc < 9; ++cc) widen_chunk(sRing + (tslot * 9 + cc) * C::kRawChunk, sConv + cc * C::kBfChunk);
-          __syncthreads();
-        }
-      } else {
-        if (tile + 1 < t1) fetch_pages(tile + 1, nextpage);  // used ~15 steps later
+        for (int cc = 0; cc < 9; ++cc) widen_chunk(sRing + (tslot * 9 + cc) * C::kRawChunk, sConv + cc * C::kBfChunk);
+        __syncthreads();
       }
       float s[C::kQKM][C::kQKNT][4];  // S over this warp's k-steps: rows qk_row0 + mi*16, keys of half kq
 #pragma unroll
@@ -269,96 +237,57 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
 #pragma unroll
           for (int e = 0; e < 4; ++e) s[mi][j][e] = 0.f;
 
-      // Shared-memory address of step c's bf16 chunk (steps 0..8: K chunks, 9..16: V chunks). The ring waits for
-      // the chunk, prefetches STAGES - 1 steps ahead and widens fp8; resident tiles are already in place.
-      auto step_buf = [&](int c) -> uint32_t {
-        if constexpr (VRES) {
-          const int kc = c < 9 ? c : c - 9;
-          return FP8 ? sConv + kc * C::kBfChunk : sRing + (tslot * 9 + kc) * C::kRawChunk;
-        } else {
-          cp_async_wait<STAGES - 2>();
-          __syncthreads();
-          {  // prefetch step c + STAGES - 1 into the slot consumed last step
-            const int cs = c + STAGES - 1;
-            const int ltile = tile + cs / kTileSteps;
-            const int lc = cs % kTileSteps;
-            if (cs == kTileSteps && ltile < t1) set_rows(ltile, nextpage);
-            if (ltile < t1) load_chunk(lc < 9 ? lc : lc - 9, rd_slot == 0 ? STAGES - 1 : rd_slot - 1);
-            cp_async_commit();
-          }
-          const uint32_t raw = sRing + rd_slot * C::kRawChunk;
-          rd_slot = rd_slot + 1 == STAGES ? 0 : rd_slot + 1;
-          if constexpr (!FP8) return raw;
-          widen_chunk(raw, sConv);  // once, for all warps
-          __syncthreads();
-          return sConv;
-        }
+      // Shared-memory address of chunk c of this tile (the widened copy for fp8): V chunks are K chunks 0..7.
+      auto chunk_buf = [&](int c) -> uint32_t {
+        return FP8 ? sConv + c * C::kBfChunk : sRing + (tslot * 9 + c) * C::kRawChunk;
       };
 
       uint32_t buf = 0;
-      // SHORT tiles: two copies of each step loop, with the mma and, for a warp without queries, only the ring's
-      // bookkeeping (loads, barriers), so the mma path carries no per-step branch. Other launches: the mma loop only.
-      auto qk_chunks = [&](auto with_mma) {
-#pragma unroll(VRES ? 1 : 9)  // the ring's step bookkeeping folds to constants when unrolled
-        for (int c = 0; c < 9; ++c) {
-          buf = step_buf(c);
-          if constexpr (decltype(with_mma)::value) {
-            // ---- S[16 kQKM x BN/2] += Q[rows, this warp's k-steps of chunk c] K_c^T
+#pragma unroll 1
+      for (int c = 0; c < 9; ++c) {
+        buf = chunk_buf(c);
+        // ---- S[16 kQKM x BN/2] += Q[rows, this warp's k-steps of chunk c] K_c^T
 #pragma unroll
-            for (int kk = 0; kk < C::kQKKS; ++kk) {
-              const int ks = C::kQKKS * dh + kk;
-              uint32_t a[C::kQKM][4];
+        for (int kk = 0; kk < C::kQKKS; ++kk) {
+          const int ks = C::kQKKS * dh + kk;
+          uint32_t a[C::kQKM][4];
 #pragma unroll
-              for (int mi = 0; mi < C::kQKM; ++mi)
-                ldsm_x4(a[mi], sQ + c * (kBM * 128) + swz(qk_row0 + mi * 16 + (lane & 15), ks * 2 + (lane >> 4)));
+          for (int mi = 0; mi < C::kQKM; ++mi)
+            ldsm_x4(a[mi], sQ + c * (kBM * 128) + swz(qk_row0 + mi * 16 + (lane & 15), ks * 2 + (lane >> 4)));
 #pragma unroll
-              for (int jj = 0; jj < C::kQKNT / 2; ++jj) {
-                const int key = kq * (BN / 2) + jj * 16 + (lane & 7) + ((lane >> 4) << 3);
-                uint32_t bq[4];
-                ldsm_x4(bq, buf + swz(key, ks * 2 + ((lane >> 3) & 1)));
+          for (int jj = 0; jj < C::kQKNT / 2; ++jj) {
+            const int key = kq * (BN / 2) + jj * 16 + (lane & 7) + ((lane >> 4) << 3);
+            uint32_t bq[4];
+            ldsm_x4(bq, buf + swz(key, ks * 2 + ((lane >> 3) & 1)));
 #pragma unroll
-                for (int mi = 0; mi < C::kQKM; ++mi) {
-                  mma_bf16(s[mi][2 * jj], a[mi], bq[0], bq[1]);
-                  mma_bf16(s[mi][2 * jj + 1], a[mi], bq[2], bq[3]);
-                }
-              }
+            for (int mi = 0; mi < C::kQKM; ++mi) {
+              mma_bf16(s[mi][2 * jj], a[mi], bq[0], bq[1]);
+              mma_bf16(s[mi][2 * jj + 1], a[mi], bq[2], bq[3]);
             }
           }
         }
-      };
-      if (VRES || row_work) {
-        qk_chunks(std::true_type{});
-      } else {
-        qk_chunks(std::false_type{});
       }
       {
         float sk[C::kQKNT][4];  // full S of rows own0, own1 over key half kq
-        if constexpr (VRES) {  // the split QK's S exchange
-          // ---- the dh pair swaps 16-row blocks: this warp keeps block dh (rows own0, own1) with full sums
-          __syncthreads();  // every warp is done reading chunk 8, whose buffer takes half of the exchange
-          const uint32_t ex_off = ((rh * 2 + kq) * C::kQKNT * 4 * 32 + lane) * 4;
-          const uint32_t ex_give = (dh ? sPu : buf) + ex_off, ex_take = (dh ? buf : sPu) + ex_off;
+        // ---- the dh pair swaps 16-row blocks: this warp keeps block dh (rows own0, own1) with full sums
+        __syncthreads();  // every warp is done reading chunk 8, whose buffer takes half of the exchange
+        const uint32_t ex_off = ((rh * 2 + kq) * C::kQKNT * 4 * 32 + lane) * 4;
+        const uint32_t ex_give = (dh ? sPu : buf) + ex_off, ex_take = (dh ? buf : sPu) + ex_off;
 #pragma unroll
-          for (int j = 0; j < C::kQKNT; ++j)
+        for (int j = 0; j < C::kQKNT; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e)
-              asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(ex_give + (j * 4 + e) * 128),
-                           "f"(dh ? s[0][j][e] : s[1][j][e]));
-          __syncthreads();
+          for (int e = 0; e < 4; ++e)
+            asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(ex_give + (j * 4 + e) * 128),
+                         "f"(dh ? s[0][j][e] : s[1][j][e]));
+        __syncthreads();
 #pragma unroll
-          for (int j = 0; j < C::kQKNT; ++j)
+        for (int j = 0; j < C::kQKNT; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              float other;
-              asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(other) : "r"(ex_take + (j * 4 + e) * 128));
-              sk[j][e] = (dh ? s[1][j][e] : s[0][j][e]) + other;
-            }
-        } else {
-#pragma unroll
-          for (int j = 0; j < C::kQKNT; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) sk[j][e] = s[0][j][e];
-        }
+          for (int e = 0; e < 4; ++e) {
+            float other;
+            asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(other) : "r"(ex_take + (j * 4 + e) * 128));
+            sk[j][e] = (dh ? s[1][j][e] : s[0][j][e]) + other;
+          }
         // ---- online softmax (log2 domain); tree mask only on tiles that reach the tree keys
         const int kbase = tile * BN + kq * (BN / 2);
         const bool masked = (tile + 1) * BN > tree_start;
@@ -414,19 +343,7 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
             l[e] *= alpha[e];
           }
           muse[e] = m[e] == -INFINITY ? 0.f : m[e];  // fully masked so far: keep exp2 finite
-          if (VRES && kq == 0 && q4 == 0) srow[e ? own1 : own0] = alpha[e];
-        }
-        // portable: this thread's O rows are its softmax rows, so rescale here (when some row's max moved)
-        if (!VRES && __any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-          for (int v = 0; v < 8; ++v)
-#pragma unroll
-            for (int nj = 0; nj < C::kPVNJ; ++nj) {
-              o[v][0][nj][0] *= alpha[0];
-              o[v][0][nj][1] *= alpha[0];
-              o[v][0][nj][2] *= alpha[1];
-              o[v][0][nj][3] *= alpha[1];
-            }
+          if (kq == 0 && q4 == 0) srow[e ? own1 : own0] = alpha[e];
         }
 #pragma unroll
         for (int j = 0; j < C::kQKNT; ++j) {
@@ -439,57 +356,44 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
           *reinterpret_cast<uint32_t*>(sP + own1 * C::kPStride + key) = pack_bf16(p2, p3);
         }
       }
-      if constexpr (VRES) __syncthreads();  // sP and alpha written by the softmax (the ring's steps have barriers)
-      auto pv_chunks = [&](auto with_mma) {
-        uint32_t pa[C::kPVM][C::kPVKS][4];
+      __syncthreads();  // sP and alpha written by the softmax
+      uint32_t pa[C::kPVM][C::kPVKS][4];  // P of this warp's rows; and the rescale of its O rows by srow's alpha
 #pragma unroll
-        for (int vc = 0; vc < 8; ++vc) {
-          buf = step_buf(9 + vc);
-          if constexpr (decltype(with_mma)::value) {
-            // ---- O[rows pv_row0.., (chunk vc, dims pv_d0..)] += P[rows, BN] V_vc
-            if (vc == 0) {  // sP and srow are complete (a barrier separates them from this step)
+      for (int mi = 0; mi < C::kPVM; ++mi) {
+        const int pr = pv_row0 + mi * 16 + (lane & 15);
 #pragma unroll
-              for (int mi = 0; mi < C::kPVM; ++mi) {
-                const int pr = pv_row0 + mi * 16 + (lane & 15);
+        for (int ks = 0; ks < C::kPVKS; ++ks)
+          ldsm_x4(pa[mi][ks], sPu + pr * (C::kPStride * 2) + ((ks * 2 + (lane >> 4)) << 4));
+        const float a0 = srow[pv_row0 + mi * 16 + g], a1 = srow[pv_row0 + mi * 16 + g + 8];
+        if (__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f))
 #pragma unroll
-                for (int ks = 0; ks < C::kPVKS; ++ks)
-                  ldsm_x4(pa[mi][ks], sPu + pr * (C::kPStride * 2) + ((ks * 2 + (lane >> 4)) << 4));
-                if constexpr (VRES) {  // resident: the softmax rows are another warp's; alpha comes through srow
-                  const float a0 = srow[pv_row0 + mi * 16 + g], a1 = srow[pv_row0 + mi * 16 + g + 8];
-                  if (__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f))
+          for (int v = 0; v < 8; ++v)
 #pragma unroll
-                  for (int v = 0; v < 8; ++v)
-#pragma unroll
-                    for (int nj = 0; nj < C::kPVNJ; ++nj) {
-                      o[v][mi][nj][0] *= a0;
-                      o[v][mi][nj][1] *= a0;
-                      o[v][mi][nj][2] *= a1;
-                      o[v][mi][nj][3] *= a1;
-                    }
-                }
-              }
+            for (int nj = 0; nj < C::kPVNJ; ++nj) {
+              o[v][mi][nj][0] *= a0;
+              o[v][mi][nj][1] *= a0;
+              o[v][mi][nj][2] *= a1;
+              o[v][mi][nj][3] *= a1;
             }
+      }
 #pragma unroll
-            for (int ks = 0; ks < C::kPVKS; ++ks) {
-              const int key = ks * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
+      for (int vc = 0; vc < 8; ++vc) {
+        // ---- O[rows pv_row0.., (chunk vc, dims pv_d0..)] += P[rows, BN] V_vc
+        buf = chunk_buf(vc);
 #pragma unroll
-              for (int jj = 0; jj < C::kPVNJ / 2; ++jj) {
-                uint32_t bv[4];
-                ldsm_x4_t(bv, buf + swz(key, pv_d0 / 8 + jj * 2 + (lane >> 4)));
+        for (int ks = 0; ks < C::kPVKS; ++ks) {
+          const int key = ks * 16 + (lane & 7) + (((lane >> 3) & 1) << 3);
 #pragma unroll
-                for (int mi = 0; mi < C::kPVM; ++mi) {
-                  mma_bf16(o[vc][mi][2 * jj], pa[mi][ks], bv[0], bv[1]);
-                  mma_bf16(o[vc][mi][2 * jj + 1], pa[mi][ks], bv[2], bv[3]);
-                }
-              }
+          for (int jj = 0; jj < C::kPVNJ / 2; ++jj) {
+            uint32_t bv[4];
+            ldsm_x4_t(bv, buf + swz(key, pv_d0 / 8 + jj * 2 + (lane >> 4)));
+#pragma unroll
+            for (int mi = 0; mi < C::kPVM; ++mi) {
+              mma_bf16(o[vc][mi][2 * jj], pa[mi][ks], bv[0], bv[1]);
+              mma_bf16(o[vc][mi][2 * jj + 1], pa[mi][ks], bv[2], bv[3]);
             }
           }
         }
-      };
-      if (VRES || row_work) {
-        pv_chunks(std::true_type{});
-      } else {
-        pv_chunks(std::false_type{});
       }
     }
 
@@ -558,6 +462,7 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
         }
       }
   }
+#endif
 }
 
 // One warp per (request, row): merges the request's split partials by log-sum-exp. Fixed order: deterministic.
@@ -611,10 +516,10 @@ __global__ void __launch_bounds__(256) mla_combine_kernel(const MlaParams p) {
   if (lane == 0) p.lse[tok * p.lse_s0 + head * p.lse_s1] = sum > 0.f ? (mu + log2f(sum)) * kLn2 : -INFINITY;
 }
 
-template <int BN, int STAGES, bool FP8, bool VRES, bool SHORT = false>
+template <bool FP8>
 void launch_main(const MlaParams& p, cudaStream_t stream) {
-  using C = KCfg<BN, STAGES, FP8, VRES>;
-  auto kern = mla_tree_verify_kernel<BN, STAGES, FP8, VRES, SHORT>;
+  using C = KCfg<FP8>;
+  auto kern = mla_tree_verify_kernel<FP8>;
   static bool attr_set = false;  // once per process; not a stream op, harmless during graph capture
   if (!attr_set) {
     cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
@@ -622,20 +527,6 @@ void launch_main(const MlaParams& p, cudaStream_t stream) {
   }
   dim3 grid(p.num_row_tiles, p.num_parts);
   kern<<<grid, C::kThreads, C::kSmem, stream>>>(p);
-}
-
-// One configuration's instantiations: cache dtype (x SHORT on portable tiles), fixed per CUDA graph.
-template <int BN, int STAGES, bool VRES>
-void launch_config(const MlaParams& p, bool short_rows, cudaStream_t stream) {
-  if constexpr (!VRES) {
-    if (short_rows) {
-      if (p.kv_fp8) launch_main<BN, STAGES, true, VRES, true>(p, stream);
-      else launch_main<BN, STAGES, false, VRES, true>(p, stream);
-      return;
-    }
-  }
-  if (p.kv_fp8) launch_main<BN, STAGES, true, VRES>(p, stream);
-  else launch_main<BN, STAGES, false, VRES>(p, stream);
 }
 
 }  // namespace
@@ -656,7 +547,7 @@ int mla_pick_variant(int device, int rows, int64_t batch) {
   // Resident-V needs ~226 KB of opt-in shared memory (sm_90); sm_80/86/89/120 take the portable path.
   int optin = 0;
   if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) optin = 0;
-  const bool fits = optin >= KCfg<64, 2, false, true>::kSmem && optin >= KCfg<64, 2, true, true>::kSmem;
+  const bool fits = optin >= KCfg<false>::kSmem && optin >= KCfg<true>::kSmem;
   return fits ? kVariantResidentV : kVariantPortable;
 }
 
@@ -670,13 +561,16 @@ void launch_mla_tree_verify(const MlaParams& p, cudaStream_t stream) {
     return;
   }
   launch_mla_sched(p, stream);
-  const int rows = p.max_q * p.H;  // launch geometry, fixed under a CUDA graph
-  if (p.variant == kVariantResidentV) {
-    launch_config<64, 2, true>(p, false, stream);  // under auto > 32 rows a request (fewer: decode kernel)
+  if (p.variant == kVariantResidentV) {  // under auto > 32 rows a request (fewer: decode kernel)
+    if (p.kv_fp8) {
+      launch_main<true>(p, stream);
+    } else {
+      launch_main<false>(p, stream);
+    }
   } else {
     launch_mla_portable_main(p, stream);
   }
-  dim3 cgrid(p.B, (rows + 7) / 8);
+  dim3 cgrid(p.B, (p.max_q * p.H + 7) / 8);  // launch geometry, fixed under a CUDA graph
   mla_combine_kernel<<<cgrid, 256, 0, stream>>>(p);
 }
 
