@@ -82,7 +82,7 @@ struct MlaParams {
   int block_n;    // KV tile width of that variant (the scheduler plans in these tiles)
 };
 
-constexpr int kVariantPortable = 0;   // <= 99 KB smem, V re-read from L2: sm_80 / sm_86 / sm_89 / sm_120
+constexpr int kVariantPortable = 0;   // <= 99 KB smem, Q in registers: sm_80 / sm_86 / sm_89 / sm_120
 constexpr int kVariantResidentV = 1;  // ~226 KB smem, V resident, whole next tile in flight: sm_90
 constexpr int kVariantDecode = 2;     // 16-row CTAs, several per SM (mla_decode_verify.cu): every GPU, few rows
 constexpr int kDecodeBM = 16;         // packed rows per decode CTA (row tiles = ceil(max_q * H / 16))

@@ -157,7 +157,8 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_portable_kernel(const 
         const int row = rt * kBM + 16 * g + g8 + 8 * e;
         valid[e] = row < rows;
         const int64_t tok = q0 + (valid[e] ? row / p.H : 0);
-        nope[e] = reinterpret_cast<const uint16_t*>(p.q_nope) + tok * p.q_nope_s0 + (valid[e] ? row % p.H : 0) * p.q_nope_s1;
+        const int head = valid[e] ? row % p.H : 0;
+        nope[e] = reinterpret_cast<const uint16_t*>(p.q_nope) + tok * p.q_nope_s0 + head * p.q_nope_s1;
       }
 #pragma unroll
       for (int i = 0; i < 16; ++i)
