@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_portable_kernel(const 
         const int u = u0 + 8 * k;
         if (u < C::kUnitsPerRow) {
           const uint32_t dst = FP8 ? stage + lrow * kDQK + u * 16 : stage + k * C::kChunk + swz(lrow, u0);
-          cp_async16(dst, ok ? src + u * 16 : src, ok);
+          cp_async16(dst, src + u * 16, ok);  // src + constant: one address register, immediate offsets
         }
       }
       cp_async_commit();
