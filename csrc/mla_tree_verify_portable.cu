@@ -112,19 +112,28 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_portable_kernel(const 
       const int tok = tile * BN + lrow;
       return tok < L ? bt[tok >> p.page_log2] : 0;
     };
-    auto issue_tile = [&](int tile, int page, uint32_t stage) {  // one cp.async group; tokens past L zero-filled
+    // A tile's loads: this thread's token row (tokens past L zero-filled: never read) and its k-th 16-byte unit.
+    struct TileRow {
+      const uint8_t* src;
+      uint32_t dst;
+      bool ok;
+    };
+    auto tile_row = [&](int tile, int page, uint32_t stage) {
       const int tok = tile * BN + lrow;
       const bool ok = tok < L;
       const uint8_t* src = ok ? p.kv + (int64_t)page * p.kv_page_stride + (int64_t)(tok & page_mask) * p.kv_row_stride
                               : p.kv;
-#pragma unroll
-      for (int k = 0; k < C::kLoadIters; ++k) {
-        const int u = u0 + 8 * k;
-        if (u < C::kUnitsPerRow) {
-          const uint32_t dst = FP8 ? stage + lrow * kDQK + u * 16 : stage + k * C::kChunk + swz(lrow, u0);
-          cp_async16(dst, src + u * 16, ok);  // src + constant: one address register, immediate offsets
-        }
+      return TileRow{src, FP8 ? stage + lrow * kDQK + u0 * 16 : stage + swz(lrow, u0), ok};
+    };
+    auto load_unit = [&](const TileRow& tr, int k) {  // src + constant: one address register, immediate offsets
+      if (u0 + 8 * k < C::kUnitsPerRow) {
+        cp_async16(tr.dst + (FP8 ? 128 * k : k * C::kChunk), tr.src + (u0 + 8 * k) * 16, tr.ok);
       }
+    };
+    auto issue_tile = [&](int tile, int page, uint32_t stage) {  // one cp.async group
+      const TileRow tr = tile_row(tile, page, stage);
+#pragma unroll
+      for (int k = 0; k < C::kLoadIters; ++k) load_unit(tr, k);
       cp_async_commit();
     };
 
@@ -180,9 +189,14 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_portable_kernel(const 
       const uint32_t stage = sRing + ((tile - t0) & 1) * C::kRawTile;
       cp_async_wait<0>();
       __syncthreads();  // this tile is in shared memory; every warp is done with the last tile's buffers
-      if (tile + 1 < t1) {  // the next tile streams in while this one is computed
-        issue_tile(tile + 1, next_page, sRing + ((tile + 1 - t0) & 1) * C::kRawTile);
-        if (tile + 2 < t1) next_page = page_of(tile + 2);
+      // The next tile streams in while this one is computed; its cp.async are spread over the QK steps, where they
+      // fill issue slots the mma chains leave free (a warp without QK work issues them at once).
+      const bool has_next = tile + 1 < t1;
+      const TileRow next_row = tile_row(tile + 1, next_page, sRing + ((tile + 1 - t0) & 1) * C::kRawTile);
+      if (tile + 2 < t1) next_page = page_of(tile + 2);
+      if (has_next && !qk_work) {
+#pragma unroll
+        for (int k = 0; k < C::kLoadIters; ++k) load_unit(next_row, k);
       }
       uint32_t kv = stage;
       if constexpr (FP8) {  // widen once, for all warps
@@ -220,8 +234,10 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_portable_kernel(const 
             mma_bf16(s[2 * jj], i < 16 ? qa[i] : qpe, bq[0], bq[1]);
             mma_bf16(s[2 * jj + 1], i < 16 ? qa[i] : qpe, bq[2], bq[3]);
           }
+          if (i < C::kLoadIters && has_next) load_unit(next_row, i);
         }
       }
+      cp_async_commit();  // the next tile's group (empty on the last tile)
       // ---- the pair swaps row halves: parity c keeps rows g8 + 8c (accumulator elements 2c, 2c + 1)
       float sk[4][2];
       {
