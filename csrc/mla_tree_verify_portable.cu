@@ -13,6 +13,8 @@
 //   over its k-steps; the pair swaps row halves through shared memory, so each thread
 //   ends with one row's full S (row 16g + 8c + lane/4, 8 of the 32 keys) and its quad does that row's softmax.
 // - PV: warp w owns O[64 rows x dims 64w .. 64w+63] (128 registers): P from shared memory, V = chunk w of the tile.
+// - Loads: cp.async, 8 threads a token row, one address register with immediate offsets; the next tile is issued at
+//   the start of this one (fp8 tiles spread their cp.async over the QK steps).
 // Split-KV pieces come from the device scheduler (mla_tree_verify_sched.cu); a split request writes normalized fp32
 // partials and base-2 lse for the combine kernel, like the resident-V kernel (mla_tree_verify.cu).
 #include <cuda_bf16.h>
@@ -46,7 +48,6 @@ struct PortableCfg {
   static_assert(kSmem <= 101376, "portable path must fit sm_120's 99 KB per block");
   static constexpr int kUnitsPerRow = FP8 ? 36 : 72;            // 16-byte units per token
   static constexpr int kLoadIters = (kUnitsPerRow + 7) / 8;     // 8 threads per token
-  static constexpr int kWidenIters = (kBN * 36 + kThreads - 1) / kThreads;
 };
 
 __device__ __forceinline__ void pair_barrier(int id) {  // the two warps of a row group (64 threads)
@@ -201,8 +202,9 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_portable_kernel(const 
       }
       uint32_t kv = stage;
       if constexpr (FP8) {  // widen once, for all warps
+        constexpr int kWidenIters = (BN * 36 + C::kThreads - 1) / C::kThreads;
 #pragma unroll 1
-        for (int it = 0; it < C::kWidenIters; ++it) {
+        for (int it = 0; it < kWidenIters; ++it) {
           const int i = tid + it * C::kThreads;
           if (i < BN * 36) {
             const int r = i / 36, u = i % 36;
