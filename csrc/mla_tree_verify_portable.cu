@@ -9,9 +9,9 @@
 //
 // One CTA: 64 packed rows r = node*H + head of one request, 8 warps, KV tiles of 32 tokens, double-buffered.
 // - QK: warp (row group g = warp & 3, k-step parity c = warp >> 2) holds Q[16 rows of g, its 16 latent k-steps
-//   2i + c] in 64 registers (the 4 rope k-steps come from shared memory: the registers would spill) and adds S[16 x 32]
-//   over its k-steps; the pair swaps row halves through shared memory, so each thread
-//   ends with one row's full S (row 16g + 8c + lane/4, 8 of the 32 keys) and its quad does that row's softmax.
+//   2i + c] in 64 registers (the 4 rope k-steps come from shared memory: the registers would spill) and adds
+//   S[16 x 32] over its k-steps; the pair swaps row halves through shared memory, so each thread ends with one row's
+//   full S (row 16g + 8c + lane/4, 8 of the 32 keys) and its quad does that row's softmax.
 // - PV: warp w owns O[64 rows x dims 64w .. 64w+63] (128 registers): P from shared memory, V = chunk w of the tile.
 // - Loads: cp.async, 8 threads a token row, one address register with immediate offsets; the next tile is issued at
 //   the start of this one (fp8 tiles spread their cp.async over the QK steps).
