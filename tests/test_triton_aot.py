@@ -82,7 +82,8 @@ def test_draft_topk_kernels_compile(arch: int, k: int, logits: str) -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("heads", [8, 64, 128])
 @pytest.mark.parametrize(("has_prefix", "v_split"), [(True, 1), (True, 4), (True, 8), (False, 1)])
-def test_mla_tree_tail_kernel_compiles(arch: int, heads: int, has_prefix: bool, v_split: int) -> None:
+@pytest.mark.parametrize("keys", [16, 64])
+def test_mla_tree_tail_kernel_compiles(arch: int, heads: int, has_prefix: bool, v_split: int, keys: int) -> None:
     from vllm_ddtree.mla_tree_tail import BLOCK_M, CHUNK, NUM_WARPS, _mla_tree_tail_kernel
 
     pointers = {"q_nope_ptr": "*bf16", "q_pe_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "*i32", "seq_lens_ptr": "*i32",
@@ -91,10 +92,10 @@ def test_mla_tree_tail_kernel_compiles(arch: int, heads: int, has_prefix: bool, 
     strides = ["s_qn_t", "s_qn_h", "s_qp_t", "s_qp_h", "s_blk", "s_tok", "s_bt", "s_po_b", "s_po_q", "s_po_h",
                "s_pl_b", "s_pl_h", "s_pl_q", "s_o_t", "s_o_h", "s_l_t"]  # fmt: skip
     signature = {**pointers, **dict.fromkeys(strides, "i32")}
-    constexprs = {"NUM_HEADS": heads, "PAGE": 64, "BLOCK_M": BLOCK_M, "CHUNK": CHUNK, "V_SPLIT": v_split,
+    constexprs = {"NUM_HEADS": heads, "PAGE": 64, "BLOCK_M": BLOCK_M, "KEYS": keys, "CHUNK": CHUNK, "V_SPLIT": v_split,
                   "HAS_PREFIX": has_prefix, "F32_DOT": False}  # fmt: skip
     kernel = _compile(_mla_tree_tail_kernel, signature, constexprs, arch, NUM_WARPS)
-    _check(kernel, f"mla tail H{heads} prefix {has_prefix} V/{v_split} sm_{arch}")
+    _check(kernel, f"mla tail H{heads} keys {keys} prefix {has_prefix} V/{v_split} sm_{arch}")
 
 
 @pytest.mark.parametrize("arch", ARCHS)

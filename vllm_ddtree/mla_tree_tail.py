@@ -41,7 +41,7 @@ def _mla_tree_tail_kernel(q_nope_ptr, q_pe_ptr, kv_ptr, bt_ptr, seq_lens_ptr, qs
                           prefix_lse_ptr, out_ptr, lse_ptr, qk_scale, s_qn_t, s_qn_h, s_qp_t, s_qp_h, s_blk, s_tok,
                           s_bt, s_po_b, s_po_q, s_po_h, s_pl_b, s_pl_h, s_pl_q, s_o_t, s_o_h, s_l_t,
                           NUM_HEADS: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
-                          CHUNK: tl.constexpr, V_SPLIT: tl.constexpr, HAS_PREFIX: tl.constexpr,
+                          KEYS: tl.constexpr, CHUNK: tl.constexpr, V_SPLIT: tl.constexpr, HAS_PREFIX: tl.constexpr,
                           F32_DOT: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
@@ -58,8 +58,8 @@ def _mla_tree_tail_kernel(q_nope_ptr, q_pe_ptr, kv_ptr, bt_ptr, seq_lens_ptr, qs
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int64)
     tail = seq_len - q_len
 
-    # The request's tail keys: key j sits at position tail + j.
-    j = tl.arange(0, 64)
+    # The request's tail keys: key j sits at position tail + j (KEYS >= the launch's longest query).
+    j = tl.arange(0, KEYS)
     k_ok = j < q_len
     k_pos = tail + j
     page = tl.load(bt_ptr + b * s_bt + k_pos // PAGE, mask=k_ok, other=0).to(tl.int64)
@@ -67,7 +67,7 @@ def _mla_tree_tail_kernel(q_nope_ptr, q_pe_ptr, kv_ptr, bt_ptr, seq_lens_ptr, qs
 
     # Scores over the 512 latent dims (in CHUNK-wide slices) plus the 64 rope dims, in log2 units.
     c = tl.arange(0, CHUNK)
-    s = tl.zeros([BLOCK_M, 64], tl.float32)
+    s = tl.zeros([BLOCK_M, KEYS], tl.float32)
     for c0 in range(0, 512, CHUNK):
         q = tl.load(q_nope_ptr + token[:, None] * s_qn_t + head[:, None] * s_qn_h + c0 + c[None, :],
                     mask=row_ok[:, None], other=0.0)
@@ -123,6 +123,12 @@ def _mla_tree_tail_kernel(q_nope_ptr, q_pe_ptr, kv_ptr, bt_ptr, seq_lens_ptr, qs
                  (acc / denom_safe[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
+def tree_keys(max_query_len: int) -> int:
+    """Key columns a program scores: the launch's longest query rounded up to a power of two, at least 16 (the
+    smallest tensor-core dot). A 16-token tree then costs a quarter of the score and P V work of 64 columns."""
+    return max(16, triton.next_power_of_2(max_query_len))
+
+
 def output_parts(programs: int) -> int:
     """How many parts to split each row tile's 512 output dims into, for a grid of ``programs`` row tiles: every
     part recomputes the tile's scores, which only pays while the grid leaves most SMs idle."""
@@ -151,6 +157,7 @@ def mla_tree_tail(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tens
     po = prefix_out if has_prefix else out
     pl = prefix_lse if has_prefix else lse
     tiles = triton.cdiv(max_query_len * num_heads, BLOCK_M)
+    keys = tree_keys(max_query_len)
     v_split = output_parts(num_reqs * tiles) if v_split is None else v_split
     if v_split not in V_SPLITS:
         raise ValueError(f"v_split must be one of {V_SPLITS}, got {v_split}")
@@ -162,7 +169,7 @@ def mla_tree_tail(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tens
         po.stride(0) if has_prefix else 0, po.stride(1) if has_prefix else 0, po.stride(2) if has_prefix else 0,
         pl.stride(0) if has_prefix else 0, pl.stride(1) if has_prefix else 0, pl.stride(2) if has_prefix else 0,
         out.stride(0), out.stride(1), lse.stride(0),
-        NUM_HEADS=num_heads, PAGE=kv_cache.shape[1], BLOCK_M=BLOCK_M, CHUNK=CHUNK, V_SPLIT=v_split,
+        NUM_HEADS=num_heads, PAGE=kv_cache.shape[1], BLOCK_M=BLOCK_M, KEYS=keys, CHUNK=CHUNK, V_SPLIT=v_split,
         HAS_PREFIX=has_prefix, F32_DOT=os.environ.get("TRITON_INTERPRET") == "1", num_warps=NUM_WARPS,
     )  # fmt: skip
 
