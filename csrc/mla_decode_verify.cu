@@ -63,6 +63,7 @@
 
 #include "mla_decode_layout.cuh"
 #include "mla_device_utils.cuh"
+#include "mla_launch.cuh"
 #include "mla_sched_plan.cuh"
 #include "mla_tree_verify.cuh"
 
@@ -611,18 +612,6 @@ __global__ void __launch_bounds__(1024) mla_combine_wide_kernel(const MlaParams 
     p.lse[tok * p.lse_s0 + head * p.lse_s1] = sum > 0.f ? (mu + log2f(sum)) * kLn2 : -INFINITY;
 }
 
-// Sets the kernel's dynamic shared memory limit once per device (not a stream operation: fine during capture,
-// but the first call should come before capture, as for the other variants).
-template <bool FP8, int STAGES, int KSUB>
-void ensure_smem_attr(int device) {
-  static unsigned long long done = 0;  // bit per device
-  const unsigned long long bit = 1ull << (device & 63);
-  if (done & bit) return;
-  cudaFuncSetAttribute(mla_decode_verify_kernel<FP8, STAGES, KSUB>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                       DecCfg<FP8, STAGES, KSUB>::kSmem);
-  done |= bit;
-}
-
 int device_attr(cudaDeviceAttr a, int device) {
   int v = 0;
   if (cudaDeviceGetAttribute(&v, a, device) != cudaSuccess) v = 0;
@@ -652,7 +641,7 @@ bool decode_deep(int device, bool fp8) {
 
 template <bool FP8, int STAGES, int KSUB>
 int occupancy(int device) {
-  ensure_smem_attr<FP8, STAGES, KSUB>(device);
+  ensure_dynamic_smem<mla_decode_verify_kernel<FP8, STAGES, KSUB>>(DecCfg<FP8, STAGES, KSUB>::kSmem, device);
   int n = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, mla_decode_verify_kernel<FP8, STAGES, KSUB>, kDecThreads,
                                                     DecCfg<FP8, STAGES, KSUB>::kSmem) != cudaSuccess)
@@ -692,7 +681,7 @@ void launch_kernel(void (*kernel)(const MlaParams, Extra...), dim3 grid, int thr
 
 template <bool FP8, int STAGES, int KSUB>
 void launch_decode_main(const MlaParams& p, int device, cudaStream_t stream) {
-  ensure_smem_attr<FP8, STAGES, KSUB>(device);
+  ensure_dynamic_smem<mla_decode_verify_kernel<FP8, STAGES, KSUB>>(DecCfg<FP8, STAGES, KSUB>::kSmem, device);
   launch_kernel(mla_decode_verify_kernel<FP8, STAGES, KSUB>, dim3(p.num_row_tiles, p.num_parts), kDecThreads,
                 DecCfg<FP8, STAGES, KSUB>::kSmem, stream, use_pdl(device), p);
 }

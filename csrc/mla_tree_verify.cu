@@ -23,6 +23,7 @@
 #include <cstring>
 
 #include "mla_device_utils.cuh"
+#include "mla_launch.cuh"
 #include "mla_tree_verify.cuh"
 
 namespace ddtree {
@@ -519,14 +520,7 @@ __global__ void __launch_bounds__(256) mla_combine_kernel(const MlaParams p) {
 template <bool FP8>
 void launch_main(const MlaParams& p, cudaStream_t stream) {
   using C = KCfg<FP8>;
-  auto kern = mla_tree_verify_kernel<FP8>;
-  static bool attr_set = false;  // once per process; not a stream op, harmless during graph capture
-  if (!attr_set) {
-    cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
-    attr_set = true;
-  }
-  dim3 grid(p.num_row_tiles, p.num_parts);
-  kern<<<grid, C::kThreads, C::kSmem, stream>>>(p);
+  launch_row_tiles<mla_tree_verify_kernel<FP8>>(p, C::kThreads, C::kSmem, stream);
 }
 
 }  // namespace

@@ -23,6 +23,7 @@
 #include <cmath>
 
 #include "mla_device_utils.cuh"
+#include "mla_launch.cuh"
 #include "mla_tree_verify.cuh"
 
 namespace ddtree {
@@ -390,13 +391,7 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_portable_kernel(const 
 template <bool FP8>
 void launch_portable(const MlaParams& p, cudaStream_t stream) {
   using C = PortableCfg<FP8>;
-  auto kern = mla_tree_verify_portable_kernel<FP8>;
-  static bool attr_set = false;  // once per process; not a stream op, harmless during graph capture
-  if (!attr_set) {
-    cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
-    attr_set = true;
-  }
-  kern<<<dim3(p.num_row_tiles, p.num_parts), C::kThreads, C::kSmem, stream>>>(p);
+  launch_row_tiles<mla_tree_verify_portable_kernel<FP8>>(p, C::kThreads, C::kSmem, stream);
 }
 
 }  // namespace
