@@ -161,6 +161,12 @@ def test_output_parts_fill_small_grids_only() -> None:
     assert [output_parts(n) for n in (1, 9, 16, 17, 64, 65, 128, 272, 4096)] == [8, 8, 4, 4, 4, 1, 1, 1, 1]
 
 
+def test_tree_keys_round_the_longest_query_up() -> None:
+    from vllm_ddtree.mla_tree_tail import tree_keys
+
+    assert [tree_keys(n) for n in (1, 2, 9, 16, 17, 32, 33, 64)] == [16, 16, 16, 16, 32, 32, 64, 64]
+
+
 def test_uniform_query_rows_need_no_gather() -> None:
     from vllm_ddtree.backends.mla import uniform_query_rows
 
@@ -187,6 +193,8 @@ INTERPRETER_CHECK = textwrap.dedent(
     check_backend_split(random_case(23, page=64, uniform=17))  # a verify batch: FlashMLA takes the rows as they are
     check_case(random_case(30), with_prefix=True, v_split=1)  # one program per row tile (large batches)
     check_case(random_case(31), with_prefix=False, v_split=4)
+    check_case(random_case(32, uniform=9), with_prefix=True)  # 16 key columns
+    check_case(random_case(33, uniform=17), with_prefix=False)  # 32 key columns
     print("ok")
     """
 )
@@ -206,6 +214,8 @@ def test_cuda_tail_matches_reference(heads: int) -> None:
         check_case(random_case(seed, "cuda", heads), with_prefix=True)
         check_case(random_case(seed + 10, "cuda", heads), with_prefix=False)
         check_case(random_case(seed + 20, "cuda", heads), with_prefix=True, v_split=1)
+        check_case(random_case(seed + 30, "cuda", heads, uniform=9), with_prefix=True)  # 16 key columns
+        check_case(random_case(seed + 40, "cuda", heads, uniform=17), with_prefix=False)  # 32 key columns
 
 
 @pytest.mark.gpu
