@@ -2,7 +2,10 @@
 
     python bench/kernel_mla.py --baselines --out bench/results/mla_kernel_h200_baselines.json
 
-``--baselines`` (needs vLLM 0.26 on the GPU machine) also times, over the same rotating caches and in the same run,
+Each row carries its floors: the KV read at the measured copy rate and the FLOPs at the measured dense bf16 GEMM
+rate (cuBLAS) — ``floor_us`` — and at the measured ``mma.sync`` peak, the instruction the portable and decode kernels
+run (``floor_mma_sync_us``; rates from ``bench/compute_rates.py``). ``--baselines`` (needs vLLM 0.26 on the GPU
+machine) also times, over the same rotating caches and in the same run,
 vLLM's Triton MLA decode with the tree flattened to one row per node (row i sees L - N + i + 1 keys, as vLLM runs
 verify) and FlashMLA with causal q_len = N (same work minus the tree mask), called as in
 ../shared/device/bench_mla_anchor.py. Block size 64 for those (FlashMLA requires it). ``--shapes memory-bound``
@@ -23,6 +26,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from bench.compute_rates import floor_us, gemm_tflops, mma_sync_rates  # noqa: E402
 
 SHAPES = [(1, 32768, 64, 16), (1, 32768, 64, 64), (1, 131072, 64, 16), (1, 32768, 128, 16), (8, 8192, 64, 16),
           (32, 4096, 16, 16)]
@@ -253,11 +258,15 @@ def main() -> None:
     if args.csrc:
         os.environ["VLLM_DDTREE_CSRC"] = str(Path(args.csrc).resolve())
     bw = copy_bandwidth_gbs()
+    gemm = gemm_tflops()
+    mma_sync = max(r["tflops"] for r in mma_sync_rates())
     rows = []
-    print(f"{torch.cuda.get_device_name()}  copy bandwidth {bw:.0f} GB/s")
+    print(f"{torch.cuda.get_device_name()}  copy bandwidth {bw:.0f} GB/s, bf16 GEMM {gemm:.0f} TFLOP/s, "
+          f"mma.sync peak {mma_sync:.0f} TFLOP/s")
     shapes = SHAPE_SETS[args.shapes]
     shape_baselines: dict = {shape: {} for shape in shapes}
-    print(f"{'variant':>8} {'B':>3} {'L':>7} {'H':>4} {'N':>3} {'us':>9} {'TFLOP/s':>8} {'KV GB/s':>8} {'%copyBW':>7}")
+    print(f"{'variant':>8} {'B':>3} {'L':>7} {'H':>4} {'N':>3} {'us':>9} {'TFLOP/s':>8} {'KV GB/s':>8} {'%copyBW':>7} "
+          f"{'floor':>8} {'floor_ms':>8}  (floors in us: GEMM rate / mma.sync peak)")
     from vllm_ddtree.ops import KERNEL_VARIANTS
 
     for var in args.variants.split(","):
@@ -268,9 +277,13 @@ def main() -> None:
             r = time_shape(B, L, H, N, args.page, args.fp8, args.rotate, args.reps,
                            shape_baselines[(B, L, H, N)] if args.baselines else None, args.breakdown)
             r["pct_copy_bw"] = round(100 * r["kv_gbs"] / bw, 1)
+            flops, kv_bytes = 2176.0 * N * H * L * B, B * L * 576 * (1 if args.fp8 else 2)
+            r["floor_us"] = round(floor_us(flops, kv_bytes, bw, gemm), 2)
+            r["floor_mma_sync_us"] = round(floor_us(flops, kv_bytes, bw, mma_sync), 2)
             rows.append(r)
             print(f"{var:>8} {B:>3} {L:>7} {H:>4} {N:>3} {r['us']:>9.1f} {r['tflops']:>8.1f} {r['kv_gbs']:>8.0f} "
-                  f"{r['pct_copy_bw']:>7.1f}" + (f"  triton {r['triton_mla_us']:.1f} us ({r['x_vs_triton']}x)  "
+                  f"{r['pct_copy_bw']:>7.1f} {r['floor_us']:>8.1f} {r['floor_mma_sync_us']:>8.1f}"
+                  + (f"  triton {r['triton_mla_us']:.1f} us ({r['x_vs_triton']}x)  "
                   f"flashmla {r['flashmla_causal_us']:.1f} us (ours = {r['x_of_flashmla']}x its speed)  "
                   f"hopper split {r['ours_hopper_us']:.1f} us ({r['hopper_x_vs_triton']}x triton, "
                   f"{r['hopper_x_of_flashmla']}x flashmla)"
@@ -280,7 +293,8 @@ def main() -> None:
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), copy_gbs=round(bw, 1), rotate=args.rotate,
+            json.dump(dict(device=torch.cuda.get_device_name(), copy_gbs=round(bw, 1), gemm_tflops=round(gemm, 1),
+                           mma_sync_tflops=round(mma_sync, 1), rotate=args.rotate,
                            shapes=args.shapes, method="CUDA-graph replay, median over reps, per call",
                            csrc=os.environ.get("VLLM_DDTREE_CSRC", "repository"), rows=rows), f, indent=1)
 
