@@ -56,6 +56,9 @@ def plot_kernel(data: dict, ax: object) -> None:
         series["ours, Hopper split (FlashMLA context + tree tail)"] = [r["ours_hopper_us"] for r in first]
     series["vLLM Triton MLA (tree as rows)"] = [r["triton_mla_us"] for r in first]
     series["FlashMLA causal (no tree mask)"] = [r["flashmla_causal_us"] for r in first]
+    if all("floor_us" in r for r in first):  # measured copy rate and GEMM / mma.sync rates (bench/compute_rates.py)
+        series["floor at the bf16 GEMM rate"] = [r["floor_us"] for r in first]
+        series["floor at the mma.sync peak"] = [r["floor_mma_sync_us"] for r in first]
     _bars(ax, labels, series, "µs (median, graph replay)")
     ax.set_title(f"MLA tree verify on {data['device']}")
 
