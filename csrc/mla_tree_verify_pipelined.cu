@@ -1,0 +1,347 @@
+// MLA tree-verify attention, portable pipelined variant (DDTREE_MLA_VARIANT=portable-pipelined; bf16 caches, fp8
+// ones take the portable kernel): the portable kernel's layout (mla_tree_verify_portable.cu: 8 warps, Q's latent
+// k-steps in registers split by parity over warp pairs, PV warp w owning dims 64w..64w+63, <= 99 KB of shared memory)
+// with 16-key tiles in a 4-stage ring, where each warp issues tile i+1's QK mma right before tile i's PV mma and then
+// exchanges and softmaxes tile i+1's scores while the tensor pipe still drains PV: one CTA barrier a tile.
+//
+// Why: an SM sub-partition reaches its mma.sync peak only with ~4 independent accumulator chains in flight (H200,
+// bench/mma_sync_rate.cu: 7.4 cycles an mma at >= 4 chains, 26.6 for a dependent one), and the portable kernel runs
+// its tile as QK, then the softmax with the tensor pipe idle, then PV (42-46 % of its mma.sync floor). Not yet run on
+// a GPU: auto never picks it; the GPU tests cover it through the variant fixture.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+
+#include "mla_device_utils.cuh"
+#include "mla_launch.cuh"
+#include "mla_tree_verify.cuh"
+
+namespace ddtree {
+namespace {
+
+using namespace dev;  // mla_device_utils.cuh
+
+struct PipeCfg {
+  static constexpr int kBN = 16;  // keys a tile (half of the scheduler's 32-token tile)
+  static constexpr int kStages = 4;
+  static constexpr int kThreads = 256;
+  static constexpr int kChunk = kBN * 128;  // one swizzled [16 x 64] bf16 chunk
+  static constexpr int kTile = 9 * kChunk;
+  static constexpr int kPStride = kBN + 8;  // bf16 a P row: conflict-free stores and ldmatrix
+  static constexpr int kPBuf = kBM * kPStride * 2;
+  static constexpr int kOffP = kStages * kTile;  // P of tiles i and i+1
+  static constexpr int kOffEx = kOffP + 2 * kPBuf;  // [row group][giver][4 values][lane] fp32
+  static constexpr int kOffQpe = kOffEx + 4 * 2 * 4 * 32 * 4;  // Q's rope dims: a swizzled [64 x 64] bf16 chunk
+  static constexpr int kOffAlpha = kOffQpe + kBM * 128;  // [2][64] alpha of tiles i and i+1
+  static constexpr int kOffInv = kOffAlpha + 2 * kBM * 4;  // [64] kv_scale / l
+  static constexpr int kSmem = kOffInv + kBM * 4;
+  static_assert(kSmem <= 101376, "portable path must fit sm_120's 99 KB per block");
+  static constexpr int kLoadIters = 5;  // 72 16-byte units a token, 16 threads a token
+};
+
+__device__ __forceinline__ void pair_barrier(int id) {  // the two warps of a row group (64 threads)
+  asm volatile("bar.sync %0, 64;\n" ::"r"(id) : "memory");
+}
+
+// One 32-bit pair of Q elements as bf16 (fp16 queries are converted; rows past the request are zero).
+__device__ __forceinline__ uint32_t q_pair(const uint16_t* src, bool valid, bool fp16) {
+  if (!valid) return 0u;
+  const uint32_t raw = __ldg(reinterpret_cast<const unsigned int*>(src));
+  if (!fp16) return raw;
+  __half2 h;
+  memcpy(&h, &raw, 4);
+  const float2 f = __half22float2(h);
+  return pack_bf16(f.x, f.y);
+}
+
+__global__ void __launch_bounds__(256, 1) mla_tree_verify_pipelined_kernel(const MlaParams p) {
+  using C = PipeCfg;
+  constexpr int BN = C::kBN;
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = warp & 3, c = warp >> 2;  // QK: row group, k-step parity
+  const int g8 = lane >> 2, q4 = lane & 3;
+  const int lr = 16 * g + 8 * c + g8;  // the CTA-local row whose softmax this thread's quad keeps
+  const int rt = blockIdx.x, part = blockIdx.y;
+
+  const uint32_t sRing = smem_u32(smem), sPu = smem_u32(smem + C::kOffP), sQpe = smem_u32(smem + C::kOffQpe);
+  float* ex = reinterpret_cast<float*>(smem + C::kOffEx);
+  float* alpha_s = reinterpret_cast<float*>(smem + C::kOffAlpha);
+  float* inv_s = reinterpret_cast<float*>(smem + C::kOffInv);
+
+  // QK B operand: k-step 2i + c (latent, i < 16) or 32 + 2(i - 16) + c (rope) is chunk i >> 1, 16-byte unit
+  // 2(2(i & 1) + c) + hi, swizzled with the key's low bits: one offset and an XOR with (i & 1) << 6 serve every step
+  const int key_l = (lane & 7) + ((lane >> 4) << 3);
+  const uint32_t kofs = (key_l * 128 + ((((lane >> 3) & 1) ^ (lane & 7)) << 4)) ^ (c << 5);
+  const int vkey = (lane & 7) + (((lane >> 3) & 1) << 3);  // PV: the lane's key row of V (ldmatrix .trans)
+  const int lrow = tid >> 4, u0 = tid & 15;                // loader: token lrow, 16-byte units u0 + 16k
+
+  SchedView sv(p.sched, p.B, p.num_parts);
+  const int pc_begin = sv.part_begin[part], pc_end = sv.part_begin[part + 1];
+  const int page_mask = (1 << p.page_log2) - 1;
+
+  for (int pc = pc_begin; pc < pc_end; ++pc) {
+    const int b = sv.piece_req[pc];
+    const int q0 = p.qsl[b];
+    const int n = p.qsl[b + 1] - q0;
+    const int rows = n * p.H;
+    if (rt * kBM >= rows) continue;  // uniform across the CTA
+    const int L = p.seq_lens[b];
+    const int slot = sv.piece_slot[pc];
+    const int tree_start = L - n;
+    const int* bt = p.block_table + (int64_t)b * p.bt_stride;
+    const int k0 = 2 * sv.piece_t0[pc];  // this piece's 16-key tiles, none wholly past L
+    const int ntiles = max(min(2 * sv.piece_t1[pc], (L + BN - 1) / BN) - k0, 0);
+    const bool qk_work = 16 * g < rows - rt * kBM;  // warp-uniform: a row group past the request skips its mma
+
+    auto page_of = [&](int tile) {
+      const int tok = tile * BN + lrow;
+      return tok < L ? bt[tok >> p.page_log2] : 0;
+    };
+    auto issue_tile = [&](int tile, int page, int i) {  // tile -> ring stage i & 3 (tokens past L zero-filled)
+      const int tok = tile * BN + lrow;
+      const bool ok = tok < L;
+      const uint8_t* src =
+          ok ? p.kv + (int64_t)page * p.kv_page_stride + (int64_t)(tok & page_mask) * p.kv_row_stride : p.kv;
+      const uint32_t dst = sRing + (i & 3) * C::kTile + (u0 >> 3) * C::kChunk + swz(lrow, u0 & 7);
+#pragma unroll
+      for (int k = 0; k < C::kLoadIters; ++k) {
+        if (u0 + 16 * k < 72) cp_async16(dst + 2 * k * C::kChunk, src + (u0 + 16 * k) * 16, ok);
+      }
+    };
+
+    __syncthreads();  // the previous piece is done with every buffer
+#pragma unroll
+    for (int it = 0; it < kBM * 8 / C::kThreads; ++it) {  // Q's rope dims -> sQpe (joins tile 0's group)
+      const int i = tid + it * C::kThreads, r = i >> 3, u = i & 7;
+      const int row = rt * kBM + r;
+      const bool valid = row < rows;
+      const int64_t tok = q0 + (valid ? row / p.H : 0);
+      const uint8_t* src = reinterpret_cast<const uint8_t*>(p.q_pe) +
+                           (tok * p.q_pe_s0 + (valid ? row % p.H : 0) * p.q_pe_s1 + u * 8) * 2;
+      if (!p.q_fp16) {
+        cp_async16(sQpe + swz(r, u), src, valid);
+      } else {
+        sts128(sQpe + swz(r, u), valid ? half8_to_bf16(*reinterpret_cast<const uint4*>(src)) : make_uint4(0, 0, 0, 0));
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 3; ++i) {  // tiles 0..2, one cp.async group each (empty past the piece)
+      if (i < ntiles) issue_tile(k0 + i, page_of(k0 + i), i);
+      cp_async_commit();
+    }
+    int next_page = 3 < ntiles ? page_of(k0 + 3) : 0;
+
+    uint32_t qa[16][4];  // A fragments of latent k-steps 2i + c: rows g8 (+8) of row group g
+    {
+      const uint16_t* nope[2];
+      bool valid[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int row = rt * kBM + 16 * g + g8 + 8 * e;
+        valid[e] = row < rows;
+        const int64_t tok = q0 + (valid[e] ? row / p.H : 0);
+        const int head = valid[e] ? row % p.H : 0;
+        nope[e] = reinterpret_cast<const uint16_t*>(p.q_nope) + tok * p.q_nope_s0 + head * p.q_nope_s1;
+      }
+#pragma unroll
+      for (int i = 0; i < 16; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          qa[i][e] = q_pair(nope[e & 1] + 32 * i + 16 * c + 2 * q4 + (e >> 1) * 8, valid[e & 1], p.q_fp16);
+    }
+
+    float m = -INFINITY, l = 0.f;  // row lr: reference max (log2 units, scaled) and this thread's partial sum
+    float o[4][8][4];               // O[rows mi*16 + g8 (+8), dims 64 warp + nt*8 + 2q4 (+1)]
+#pragma unroll
+    for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[mi][nt][e] = 0.f;
+
+    // S[16 rows of g x 16 keys of tile j] over this warp's k-steps
+    auto qk = [&](int j, float (&s)[2][4]) {
+#pragma unroll
+      for (int jj = 0; jj < 2; ++jj)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[jj][e] = 0.f;
+      if (!qk_work) return;
+      const uint32_t kv = sRing + (j & 3) * C::kTile;
+#pragma unroll
+      for (int i = 0; i < 18; ++i) {
+        uint32_t qpe[4];
+        if (i >= 16) ldsm_x4(qpe, sQpe + swz(16 * g + (lane & 15), 2 * (2 * (i - 16) + c) + (lane >> 4)));
+        uint32_t bk[4];
+        ldsm_x4(bk, kv + (i >> 1) * C::kChunk + (kofs ^ ((i & 1) << 6)));
+        mma_bf16(s[0], i < 16 ? qa[i] : qpe, bk[0], bk[1]);
+        mma_bf16(s[1], i < 16 ? qa[i] : qpe, bk[2], bk[3]);
+      }
+    };
+    // The pair's halves of tile j's S summed, the tree mask, the online softmax of row lr: P and alpha to buffer j & 1
+    auto softmax_to_p = [&](int j, const float (&s)[2][4]) {
+      const int tile = k0 + j;
+      float sk[2][2];
+      float* give = ex + (g * 2 + c) * 4 * 32 + lane;
+      const float* take = ex + (g * 2 + (c ^ 1)) * 4 * 32 + lane;
+#pragma unroll
+      for (int jj = 0; jj < 2; ++jj) {  // parity c keeps rows g8 + 8c (accumulator elements 2c, 2c + 1)
+        give[(2 * jj) * 32] = c ? s[jj][0] : s[jj][2];
+        give[(2 * jj + 1) * 32] = c ? s[jj][1] : s[jj][3];
+      }
+      pair_barrier(1 + g);
+#pragma unroll
+      for (int jj = 0; jj < 2; ++jj) {
+        sk[jj][0] = (c ? s[jj][2] : s[jj][0]) + take[(2 * jj) * 32];
+        sk[jj][1] = (c ? s[jj][3] : s[jj][1]) + take[(2 * jj + 1) * 32];
+      }
+      const int row = rt * kBM + lr;
+      if ((tile + 1) * BN > tree_start) {  // one block the other tiles branch over
+        const uint64_t bits = row < rows ? static_cast<uint64_t>(p.tree_bits[q0 + row / p.H]) : ~0ull;
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int key = tile * BN + jj * 8 + 2 * q4 + e;
+            const int tk = key - tree_start;
+            const bool vis = key < L && (tk < 0 || ((bits >> tk) & 1ull));
+            sk[jj][e] = vis ? sk[jj][e] : -INFINITY;
+          }
+      }
+      float mx = fmaxf(fmaxf(sk[0][0], sk[0][1]), fmaxf(sk[1][0], sk[1][1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      // lazy rescaling, as in the portable kernel (the scale is positive, so it commutes with the max)
+      const float mt = mx * p.scale_log2;
+      float alpha = 1.f;
+      if (mt > m + kRescaleSlack) {
+        alpha = fast_exp2(m - mt);
+        m = mt;
+        l *= alpha;
+      }
+      const float muse = m == -INFINITY ? 0.f : m;
+      if (q4 == 0) alpha_s[(j & 1) * kBM + lr] = alpha;
+      uint8_t* pbuf = smem + C::kOffP + (j & 1) * C::kPBuf;
+#pragma unroll
+      for (int jj = 0; jj < 2; ++jj) {
+        const float p0 = fast_exp2(fmaf(sk[jj][0], p.scale_log2, -muse));
+        const float p1 = fast_exp2(fmaf(sk[jj][1], p.scale_log2, -muse));
+        l += p0 + p1;
+        *reinterpret_cast<uint32_t*>(pbuf + (lr * C::kPStride + jj * 8 + 2 * q4) * 2) = pack_bf16(p0, p1);
+      }
+    };
+
+    if (ntiles > 0) {  // tile 0's scores and P before the loop
+      cp_async_wait<2>();
+      __syncthreads();  // tile 0 and sQpe are in shared memory
+      float s[2][4];
+      qk(0, s);
+      softmax_to_p(0, s);
+    }
+    for (int i = 0; i < ntiles; ++i) {
+      cp_async_wait<1>();  // this thread's part of tile i + 1
+      // P and alpha of tile i from every row; tile i + 1 for every warp; every warp past tile i - 1's PV, so its
+      // ring stage ((i + 3) & 3) and its P buffer are free
+      __syncthreads();
+      if (i + 3 < ntiles) {
+        issue_tile(k0 + i + 3, next_page, i + 3);
+        if (i + 4 < ntiles) next_page = page_of(k0 + i + 4);
+      }
+      cp_async_commit();
+      float a[4][2];
+#pragma unroll
+      for (int mi = 0; mi < 4; ++mi) {
+        a[mi][0] = alpha_s[(i & 1) * kBM + mi * 16 + g8];
+        a[mi][1] = alpha_s[(i & 1) * kBM + mi * 16 + g8 + 8];
+      }
+      bool moved = false;
+#pragma unroll
+      for (int mi = 0; mi < 4; ++mi) moved |= a[mi][0] != 1.f || a[mi][1] != 1.f;
+      if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+        for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+          for (int nt = 0; nt < 8; ++nt) {
+            o[mi][nt][0] *= a[mi][0];
+            o[mi][nt][1] *= a[mi][0];
+            o[mi][nt][2] *= a[mi][1];
+            o[mi][nt][3] *= a[mi][1];
+          }
+      }
+      const bool more = i + 1 < ntiles;
+      float s[2][4];
+      if (more) qk(i + 1, s);  // issued ahead of PV: the softmax below overlaps the tensor pipe's PV work
+      const uint32_t vb = sRing + (i & 3) * C::kTile + warp * C::kChunk;
+      uint32_t bv[4][4];
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) ldsm_x4_t(bv[jj], vb + swz(vkey, jj * 2 + (lane >> 4)));
+      const uint32_t pb = sPu + (i & 1) * C::kPBuf;
+#pragma unroll
+      for (int mi = 0; mi < 4; ++mi) {
+        uint32_t pa[4];
+        ldsm_x4(pa, pb + (mi * 16 + (lane & 15)) * (C::kPStride * 2) + ((lane >> 4) << 4));
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj) {
+          mma_bf16(o[mi][2 * jj], pa, bv[jj][0], bv[jj][1]);
+          mma_bf16(o[mi][2 * jj + 1], pa, bv[jj][2], bv[jj][3]);
+        }
+      }
+      if (more) softmax_to_p(i + 1, s);
+    }
+
+    // ---- epilogue: the quad's sum is row lr's full sum; its owner writes lse and kv_scale / l, then every warp
+    // normalizes and writes its O block
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    cp_async_wait<0>();  // the empty groups; a piece without tiles still issued its sQpe loads
+    const int rstride = p.max_q * p.H;
+    if (q4 == 0) {
+      inv_s[lr] = l > 0.f ? p.kv_scale / l : 0.f;
+      const int row = rt * kBM + lr;
+      if (row < rows) {
+        const float lse2 = l > 0.f ? m + log2f(l) : -INFINITY;
+        if (slot < 0) {
+          p.lse[(q0 + row / p.H) * p.lse_s0 + (row % p.H) * p.lse_s1] = lse2 * kLn2;
+        } else {
+          p.ws_lse[(int64_t)slot * rstride + row] = lse2;
+        }
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+      for (int eh = 0; eh < 2; ++eh) {
+        const int orl = mi * 16 + g8 + 8 * eh;
+        const int row = rt * kBM + orl;
+        if (row >= rows) continue;
+        const float inv = inv_s[orl];
+        if (slot < 0) {
+          const int64_t tok = q0 + row / p.H;
+          char* orow = reinterpret_cast<char*>(p.out) + (tok * p.out_s0 + (row % p.H) * p.out_s1) * 2;
+#pragma unroll
+          for (int nt = 0; nt < 8; ++nt) {
+            const int d = warp * 64 + nt * 8 + 2 * q4;
+            *reinterpret_cast<uint32_t*>(orow + d * 2) =
+                pack_out(o[mi][nt][2 * eh] * inv, o[mi][nt][2 * eh + 1] * inv, p.out_fp16);
+          }
+        } else {
+          float* wrow = p.ws_o + ((int64_t)slot * rstride + row) * kDV;
+#pragma unroll
+          for (int nt = 0; nt < 8; ++nt) {
+            const int d = warp * 64 + nt * 8 + 2 * q4;
+            *reinterpret_cast<float2*>(wrow + d) = make_float2(o[mi][nt][2 * eh] * inv, o[mi][nt][2 * eh + 1] * inv);
+          }
+        }
+      }
+  }
+}
+
+}  // namespace
+
+void launch_mla_pipelined_main(const MlaParams& p, cudaStream_t stream) {
+  launch_row_tiles<mla_tree_verify_pipelined_kernel>(p, PipeCfg::kThreads, PipeCfg::kSmem, stream);
+}
+
+}  // namespace ddtree
