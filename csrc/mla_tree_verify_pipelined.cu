@@ -15,6 +15,7 @@
 
 #include "mla_device_utils.cuh"
 #include "mla_launch.cuh"
+#include "mla_row_tile.cuh"
 #include "mla_tree_verify.cuh"
 
 namespace ddtree {
@@ -39,21 +40,6 @@ struct PipeCfg {
   static_assert(kSmem <= 101376, "portable path must fit sm_120's 99 KB per block");
   static constexpr int kLoadIters = 5;  // 72 16-byte units a token, 16 threads a token
 };
-
-__device__ __forceinline__ void pair_barrier(int id) {  // the two warps of a row group (64 threads)
-  asm volatile("bar.sync %0, 64;\n" ::"r"(id) : "memory");
-}
-
-// One 32-bit pair of Q elements as bf16 (fp16 queries are converted; rows past the request are zero).
-__device__ __forceinline__ uint32_t q_pair(const uint16_t* src, bool valid, bool fp16) {
-  if (!valid) return 0u;
-  const uint32_t raw = __ldg(reinterpret_cast<const unsigned int*>(src));
-  if (!fp16) return raw;
-  __half2 h;
-  memcpy(&h, &raw, 4);
-  const float2 f = __half22float2(h);
-  return pack_bf16(f.x, f.y);
-}
 
 __global__ void __launch_bounds__(256, 1) mla_tree_verify_pipelined_kernel(const MlaParams p) {
   using C = PipeCfg;
@@ -112,20 +98,7 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_pipelined_kernel(const
     };
 
     __syncthreads();  // the previous piece is done with every buffer
-#pragma unroll
-    for (int it = 0; it < kBM * 8 / C::kThreads; ++it) {  // Q's rope dims -> sQpe (joins tile 0's group)
-      const int i = tid + it * C::kThreads, r = i >> 3, u = i & 7;
-      const int row = rt * kBM + r;
-      const bool valid = row < rows;
-      const int64_t tok = q0 + (valid ? row / p.H : 0);
-      const uint8_t* src = reinterpret_cast<const uint8_t*>(p.q_pe) +
-                           (tok * p.q_pe_s0 + (valid ? row % p.H : 0) * p.q_pe_s1 + u * 8) * 2;
-      if (!p.q_fp16) {
-        cp_async16(sQpe + swz(r, u), src, valid);
-      } else {
-        sts128(sQpe + swz(r, u), valid ? half8_to_bf16(*reinterpret_cast<const uint4*>(src)) : make_uint4(0, 0, 0, 0));
-      }
-    }
+    row_tile::load_q_rope<C::kThreads>(p, sQpe, tid, rt, rows, q0);  // joins tile 0's cp.async group
 #pragma unroll
     for (int i = 0; i < 3; ++i) {  // tiles 0..2, one cp.async group each (empty past the piece)
       if (i < ntiles) issue_tile(k0 + i, page_of(k0 + i), i);
@@ -134,23 +107,7 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_pipelined_kernel(const
     int next_page = 3 < ntiles ? page_of(k0 + 3) : 0;
 
     uint32_t qa[16][4];  // A fragments of latent k-steps 2i + c: rows g8 (+8) of row group g
-    {
-      const uint16_t* nope[2];
-      bool valid[2];
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int row = rt * kBM + 16 * g + g8 + 8 * e;
-        valid[e] = row < rows;
-        const int64_t tok = q0 + (valid[e] ? row / p.H : 0);
-        const int head = valid[e] ? row % p.H : 0;
-        nope[e] = reinterpret_cast<const uint16_t*>(p.q_nope) + tok * p.q_nope_s0 + head * p.q_nope_s1;
-      }
-#pragma unroll
-      for (int i = 0; i < 16; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          qa[i][e] = q_pair(nope[e & 1] + 32 * i + 16 * c + 2 * q4 + (e >> 1) * 8, valid[e & 1], p.q_fp16);
-    }
+    row_tile::load_q_latent(p, qa, rt * kBM + 16 * g + g8, rows, q0, c, q4);
 
     float m = -INFINITY, l = 0.f;  // row lr: reference max (log2 units, scaled) and this thread's partial sum
     float o[4][8][4];               // O[rows mi*16 + g8 (+8), dims 64 warp + nt*8 + 2q4 (+1)]
@@ -183,53 +140,12 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_pipelined_kernel(const
     auto softmax_to_p = [&](int j, const float (&s)[2][4]) {
       const int tile = k0 + j;
       float sk[2][2];
-      float* give = ex + (g * 2 + c) * 4 * 32 + lane;
-      const float* take = ex + (g * 2 + (c ^ 1)) * 4 * 32 + lane;
-#pragma unroll
-      for (int jj = 0; jj < 2; ++jj) {  // parity c keeps rows g8 + 8c (accumulator elements 2c, 2c + 1)
-        give[(2 * jj) * 32] = c ? s[jj][0] : s[jj][2];
-        give[(2 * jj + 1) * 32] = c ? s[jj][1] : s[jj][3];
-      }
-      pair_barrier(1 + g);
-#pragma unroll
-      for (int jj = 0; jj < 2; ++jj) {
-        sk[jj][0] = (c ? s[jj][2] : s[jj][0]) + take[(2 * jj) * 32];
-        sk[jj][1] = (c ? s[jj][3] : s[jj][1]) + take[(2 * jj + 1) * 32];
-      }
-      const int row = rt * kBM + lr;
+      row_tile::pair_sum<2>(s, sk, ex, g, c, lane);
       if ((tile + 1) * BN > tree_start) {  // one block the other tiles branch over
-        const uint64_t bits = row < rows ? static_cast<uint64_t>(p.tree_bits[q0 + row / p.H]) : ~0ull;
-#pragma unroll
-        for (int jj = 0; jj < 2; ++jj)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int key = tile * BN + jj * 8 + 2 * q4 + e;
-            const int tk = key - tree_start;
-            const bool vis = key < L && (tk < 0 || ((bits >> tk) & 1ull));
-            sk[jj][e] = vis ? sk[jj][e] : -INFINITY;
-          }
+        row_tile::tree_mask<2>(sk, p, tile * BN, L, tree_start, rt * kBM + lr, rows, q0, q4);
       }
-      float mx = fmaxf(fmaxf(sk[0][0], sk[0][1]), fmaxf(sk[1][0], sk[1][1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      // lazy rescaling, as in the portable kernel (the scale is positive, so it commutes with the max)
-      const float mt = mx * p.scale_log2;
-      float alpha = 1.f;
-      if (mt > m + kRescaleSlack) {
-        alpha = fast_exp2(m - mt);
-        m = mt;
-        l *= alpha;
-      }
-      const float muse = m == -INFINITY ? 0.f : m;
-      if (q4 == 0) alpha_s[(j & 1) * kBM + lr] = alpha;
-      uint8_t* pbuf = smem + C::kOffP + (j & 1) * C::kPBuf;
-#pragma unroll
-      for (int jj = 0; jj < 2; ++jj) {
-        const float p0 = fast_exp2(fmaf(sk[jj][0], p.scale_log2, -muse));
-        const float p1 = fast_exp2(fmaf(sk[jj][1], p.scale_log2, -muse));
-        l += p0 + p1;
-        *reinterpret_cast<uint32_t*>(pbuf + (lr * C::kPStride + jj * 8 + 2 * q4) * 2) = pack_bf16(p0, p1);
-      }
+      __nv_bfloat16* prow = reinterpret_cast<__nv_bfloat16*>(smem + C::kOffP + (j & 1) * C::kPBuf) + lr * C::kPStride;
+      row_tile::online_softmax<2>(sk, m, l, p.scale_log2, alpha_s + (j & 1) * kBM + lr, prow, q4);
     };
 
     if (ntiles > 0) {  // tile 0's scores and P before the loop
@@ -249,26 +165,7 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_pipelined_kernel(const
         if (i + 4 < ntiles) next_page = page_of(k0 + i + 4);
       }
       cp_async_commit();
-      float a[4][2];
-#pragma unroll
-      for (int mi = 0; mi < 4; ++mi) {
-        a[mi][0] = alpha_s[(i & 1) * kBM + mi * 16 + g8];
-        a[mi][1] = alpha_s[(i & 1) * kBM + mi * 16 + g8 + 8];
-      }
-      bool moved = false;
-#pragma unroll
-      for (int mi = 0; mi < 4; ++mi) moved |= a[mi][0] != 1.f || a[mi][1] != 1.f;
-      if (__any_sync(0xffffffffu, moved)) {
-#pragma unroll
-        for (int mi = 0; mi < 4; ++mi)
-#pragma unroll
-          for (int nt = 0; nt < 8; ++nt) {
-            o[mi][nt][0] *= a[mi][0];
-            o[mi][nt][1] *= a[mi][0];
-            o[mi][nt][2] *= a[mi][1];
-            o[mi][nt][3] *= a[mi][1];
-          }
-      }
+      row_tile::rescale_o(o, alpha_s + (i & 1) * kBM, lane);
       const bool more = i + 1 < ntiles;
       float s[2][4];
       if (more) qk(i + 1, s);  // issued ahead of PV: the softmax below overlaps the tensor pipe's PV work
@@ -295,46 +192,9 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_pipelined_kernel(const
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
     cp_async_wait<0>();  // the empty groups; a piece without tiles still issued its sQpe loads
-    const int rstride = p.max_q * p.H;
-    if (q4 == 0) {
-      inv_s[lr] = l > 0.f ? p.kv_scale / l : 0.f;
-      const int row = rt * kBM + lr;
-      if (row < rows) {
-        const float lse2 = l > 0.f ? m + log2f(l) : -INFINITY;
-        if (slot < 0) {
-          p.lse[(q0 + row / p.H) * p.lse_s0 + (row % p.H) * p.lse_s1] = lse2 * kLn2;
-        } else {
-          p.ws_lse[(int64_t)slot * rstride + row] = lse2;
-        }
-      }
-    }
+    if (q4 == 0) row_tile::store_row_stats(p, inv_s, lr, rt, rows, q0, slot, m, l);
     __syncthreads();
-#pragma unroll
-    for (int mi = 0; mi < 4; ++mi)
-#pragma unroll
-      for (int eh = 0; eh < 2; ++eh) {
-        const int orl = mi * 16 + g8 + 8 * eh;
-        const int row = rt * kBM + orl;
-        if (row >= rows) continue;
-        const float inv = inv_s[orl];
-        if (slot < 0) {
-          const int64_t tok = q0 + row / p.H;
-          char* orow = reinterpret_cast<char*>(p.out) + (tok * p.out_s0 + (row % p.H) * p.out_s1) * 2;
-#pragma unroll
-          for (int nt = 0; nt < 8; ++nt) {
-            const int d = warp * 64 + nt * 8 + 2 * q4;
-            *reinterpret_cast<uint32_t*>(orow + d * 2) =
-                pack_out(o[mi][nt][2 * eh] * inv, o[mi][nt][2 * eh + 1] * inv, p.out_fp16);
-          }
-        } else {
-          float* wrow = p.ws_o + ((int64_t)slot * rstride + row) * kDV;
-#pragma unroll
-          for (int nt = 0; nt < 8; ++nt) {
-            const int d = warp * 64 + nt * 8 + 2 * q4;
-            *reinterpret_cast<float2*>(wrow + d) = make_float2(o[mi][nt][2 * eh] * inv, o[mi][nt][2 * eh + 1] * inv);
-          }
-        }
-      }
+    row_tile::write_o_block(p, o, inv_s, warp, lane, rt, rows, q0, slot);
   }
 }
 

@@ -24,6 +24,7 @@
 
 #include "mla_device_utils.cuh"
 #include "mla_launch.cuh"
+#include "mla_row_tile.cuh"
 #include "mla_tree_verify.cuh"
 
 namespace ddtree {
@@ -50,21 +51,6 @@ struct PortableCfg {
   static constexpr int kUnitsPerRow = FP8 ? 36 : 72;            // 16-byte units per token
   static constexpr int kLoadIters = (kUnitsPerRow + 7) / 8;     // 8 threads per token
 };
-
-__device__ __forceinline__ void pair_barrier(int id) {  // the two warps of a row group (64 threads)
-  asm volatile("bar.sync %0, 64;\n" ::"r"(id) : "memory");
-}
-
-// One 32-bit pair of Q elements as bf16 (fp16 queries are converted; rows past the request are zero).
-__device__ __forceinline__ uint32_t q_pair(const uint16_t* src, bool valid, bool fp16) {
-  if (!valid) return 0u;
-  const uint32_t raw = __ldg(reinterpret_cast<const unsigned int*>(src));
-  if (!fp16) return raw;
-  __half2 h;
-  memcpy(&h, &raw, 4);
-  const float2 f = __half22float2(h);
-  return pack_bf16(f.x, f.y);
-}
 
 template <bool FP8>
 __global__ void __launch_bounds__(256, 1) mla_tree_verify_portable_kernel(const MlaParams p) {
@@ -140,43 +126,12 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_portable_kernel(const 
     };
 
     __syncthreads();  // the previous piece is done with every buffer
-    // Q's rope dims -> sQpe (joins tile t0's cp.async group); rows past the request are zero
-#pragma unroll
-    for (int it = 0; it < kBM * 8 / C::kThreads; ++it) {
-      const int i = tid + it * C::kThreads, r = i >> 3, u = i & 7;
-      const int row = rt * kBM + r;
-      const bool valid = row < rows;
-      const int64_t tok = q0 + (valid ? row / p.H : 0);
-      const uint8_t* src = reinterpret_cast<const uint8_t*>(p.q_pe) +
-                           (tok * p.q_pe_s0 + (valid ? row % p.H : 0) * p.q_pe_s1 + u * 8) * 2;
-      if (!p.q_fp16) {
-        cp_async16(sQpe + swz(r, u), src, valid);
-      } else {
-        sts128(sQpe + swz(r, u), valid ? half8_to_bf16(*reinterpret_cast<const uint4*>(src)) : make_uint4(0, 0, 0, 0));
-      }
-    }
+    row_tile::load_q_rope<C::kThreads>(p, sQpe, tid, rt, rows, q0);  // joins tile t0's cp.async group
     if (t0 < t1) issue_tile(t0, page_of(t0), sRing);
     int next_page = t0 + 1 < t1 ? page_of(t0 + 1) : 0;
 
-    // ---- Q fragments of this warp's 16 rows and latent k-steps 2i + c (A operand of m16n8k16: rows g8, g8 + 8)
-    uint32_t qa[16][4];
-    {
-      const uint16_t* nope[2];
-      bool valid[2];
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int row = rt * kBM + 16 * g + g8 + 8 * e;
-        valid[e] = row < rows;
-        const int64_t tok = q0 + (valid[e] ? row / p.H : 0);
-        const int head = valid[e] ? row % p.H : 0;
-        nope[e] = reinterpret_cast<const uint16_t*>(p.q_nope) + tok * p.q_nope_s0 + head * p.q_nope_s1;
-      }
-#pragma unroll
-      for (int i = 0; i < 16; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          qa[i][e] = q_pair(nope[e & 1] + 32 * i + 16 * c + 2 * q4 + (e >> 1) * 8, valid[e & 1], p.q_fp16);
-    }
+    uint32_t qa[16][4];  // Q fragments of this warp's 16 rows and latent k-steps 2i + c
+    row_tile::load_q_latent(p, qa, rt * kBM + 16 * g + g8, rows, q0, c, q4);
 
     float m = -INFINITY, l = 0.f;  // row lr: reference max (log2 units, scaled) and this thread's partial sum
     float o[4][8][4];               // O[rows mi*16 + g8 (+8), dims 64 warp + nt*8 + 2q4 (+1)]
@@ -242,83 +197,18 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_portable_kernel(const 
         }
       }
       cp_async_commit();  // the next tile's group (empty on the last tile)
-      // ---- the pair swaps row halves: parity c keeps rows g8 + 8c (accumulator elements 2c, 2c + 1)
+      // ---- the pair's halves summed, the tree mask only on tiles that reach the tree keys, the online softmax of row
+      // lr (log2 units): P and alpha for all warps
       float sk[4][2];
-      {
-        float* give = ex + (g * 2 + c) * 8 * 32 + lane;
-        const float* take = ex + (g * 2 + (c ^ 1)) * 8 * 32 + lane;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          give[(2 * j) * 32] = c ? s[j][0] : s[j][2];
-          give[(2 * j + 1) * 32] = c ? s[j][1] : s[j][3];
-        }
-        pair_barrier(1 + g);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          sk[j][0] = (c ? s[j][2] : s[j][0]) + take[(2 * j) * 32];
-          sk[j][1] = (c ? s[j][3] : s[j][1]) + take[(2 * j + 1) * 32];
-        }
-      }
-      // ---- online softmax of row lr (log2 units); the tree mask only on tiles that reach the tree keys
-      const int row = rt * kBM + lr;
+      row_tile::pair_sum<4>(s, sk, ex, g, c, lane);
       if ((tile + 1) * BN > tree_start) {  // one block the other tiles branch over
-        const uint64_t bits = row < rows ? static_cast<uint64_t>(p.tree_bits[q0 + row / p.H]) : ~0ull;
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int key = tile * BN + j * 8 + 2 * q4 + e;
-            const int tk = key - tree_start;
-            const bool vis = key < L && (tk < 0 || ((bits >> tk) & 1ull));
-            sk[j][e] = vis ? sk[j][e] : -INFINITY;
-          }
+        row_tile::tree_mask<4>(sk, p, tile * BN, L, tree_start, rt * kBM + lr, rows, q0, q4);
       }
-      float mx = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) mx = fmaxf(mx, fmaxf(sk[j][0], sk[j][1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      // lazy rescaling: the reference max moves only when the tile's max exceeds it by more than kRescaleSlack
-      // (P <= 2^kRescaleSlack), so most tiles leave O alone; the scale is positive, so it commutes with the max
-      const float mt = mx * p.scale_log2;
-      float alpha = 1.f;
-      if (mt > m + kRescaleSlack) {  // false while mt = -inf; true for the first finite max (m = -inf)
-        alpha = fast_exp2(m - mt);
-        m = mt;
-        l *= alpha;
-      }
-      const float muse = m == -INFINITY ? 0.f : m;  // fully masked so far: keep exp2 finite
-      if (q4 == 0) srow[lr] = alpha;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float p0 = fast_exp2(fmaf(sk[j][0], p.scale_log2, -muse));
-        const float p1 = fast_exp2(fmaf(sk[j][1], p.scale_log2, -muse));
-        l += p0 + p1;
-        *reinterpret_cast<uint32_t*>(sP + lr * C::kPStride + j * 8 + 2 * q4) = pack_bf16(p0, p1);
-      }
+      row_tile::online_softmax<4>(sk, m, l, p.scale_log2, srow + lr, sP + lr * C::kPStride, q4);
       __syncthreads();  // sP and alpha of all 64 rows are written
 
       // ---- O[64 rows x dims 64 warp ..] = alpha O + P V_warp
-      float a[4][2];
-#pragma unroll
-      for (int mi = 0; mi < 4; ++mi) {
-        a[mi][0] = srow[mi * 16 + g8];
-        a[mi][1] = srow[mi * 16 + g8 + 8];
-      }
-      bool moved = false;
-#pragma unroll
-      for (int mi = 0; mi < 4; ++mi) moved |= a[mi][0] != 1.f || a[mi][1] != 1.f;
-      if (__any_sync(0xffffffffu, moved)) {
-#pragma unroll
-        for (int mi = 0; mi < 4; ++mi)
-#pragma unroll
-          for (int nt = 0; nt < 8; ++nt) {
-            o[mi][nt][0] *= a[mi][0];
-            o[mi][nt][1] *= a[mi][0];
-            o[mi][nt][2] *= a[mi][1];
-            o[mi][nt][3] *= a[mi][1];
-          }
-      }
+      row_tile::rescale_o(o, srow, lane);
       const uint32_t vb = kv + warp * C::kChunk;
 #pragma unroll
       for (int ks = 0; ks < BN / 16; ++ks) {
@@ -345,46 +235,9 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_portable_kernel(const 
     l += __shfl_xor_sync(0xffffffffu, l, 2);
     cp_async_wait<0>();  // a piece without tiles still issued its sQpe loads
     __syncthreads();  // the last tile's readers of srow are done
-    const int rstride = p.max_q * p.H;
-    if (q4 == 0) {
-      srow[lr] = l > 0.f ? p.kv_scale / l : 0.f;
-      const int row = rt * kBM + lr;
-      if (row < rows) {
-        const float lse2 = l > 0.f ? m + log2f(l) : -INFINITY;
-        if (slot < 0) {
-          p.lse[(q0 + row / p.H) * p.lse_s0 + (row % p.H) * p.lse_s1] = lse2 * kLn2;
-        } else {
-          p.ws_lse[(int64_t)slot * rstride + row] = lse2;
-        }
-      }
-    }
+    if (q4 == 0) row_tile::store_row_stats(p, srow, lr, rt, rows, q0, slot, m, l);
     __syncthreads();
-#pragma unroll
-    for (int mi = 0; mi < 4; ++mi)
-#pragma unroll
-      for (int eh = 0; eh < 2; ++eh) {
-        const int orl = mi * 16 + g8 + 8 * eh;
-        const int row = rt * kBM + orl;
-        if (row >= rows) continue;
-        const float inv = srow[orl];
-        if (slot < 0) {
-          const int64_t tok = q0 + row / p.H;
-          char* orow = reinterpret_cast<char*>(p.out) + (tok * p.out_s0 + (row % p.H) * p.out_s1) * 2;
-#pragma unroll
-          for (int nt = 0; nt < 8; ++nt) {
-            const int d = warp * 64 + nt * 8 + 2 * q4;
-            *reinterpret_cast<uint32_t*>(orow + d * 2) =
-                pack_out(o[mi][nt][2 * eh] * inv, o[mi][nt][2 * eh + 1] * inv, p.out_fp16);
-          }
-        } else {
-          float* wrow = p.ws_o + ((int64_t)slot * rstride + row) * kDV;
-#pragma unroll
-          for (int nt = 0; nt < 8; ++nt) {
-            const int d = warp * 64 + nt * 8 + 2 * q4;
-            *reinterpret_cast<float2*>(wrow + d) = make_float2(o[mi][nt][2 * eh] * inv, o[mi][nt][2 * eh + 1] * inv);
-          }
-        }
-      }
+    row_tile::write_o_block(p, o, srow, warp, lane, rt, rows, q0, slot);
   }
 }
 
