@@ -15,6 +15,7 @@
 
 #include "mla_device_utils.cuh"
 #include "mla_launch.cuh"
+#include "mla_pipelined_layout.cuh"
 #include "mla_row_tile.cuh"
 #include "mla_tree_verify.cuh"
 
@@ -23,13 +24,13 @@ namespace {
 
 using namespace dev;  // mla_device_utils.cuh
 
-struct PipeCfg {
-  static constexpr int kBN = 16;  // keys a tile (half of the scheduler's 32-token tile)
+struct PipeCfg {  // the layout's constants: mla_pipelined_layout.cuh (checked on the CPU by a host harness)
+  static constexpr int kBN = pipe::kBN;  // keys a tile (half of the scheduler's 32-token tile)
   static constexpr int kStages = 4;
   static constexpr int kThreads = 256;
-  static constexpr int kChunk = kBN * 128;  // one swizzled [16 x 64] bf16 chunk
-  static constexpr int kTile = 9 * kChunk;
-  static constexpr int kPStride = kBN + 8;  // bf16 a P row: conflict-free stores and ldmatrix
+  static constexpr int kChunk = pipe::kChunk;
+  static constexpr int kTile = pipe::kTile;
+  static constexpr int kPStride = pipe::kPStride;
   static constexpr int kPBuf = kBM * kPStride * 2;
   static constexpr int kOffP = kStages * kTile;  // P of tiles i and i+1
   static constexpr int kOffEx = kOffP + 2 * kPBuf;  // [row group][giver][4 values][lane] fp32
@@ -38,8 +39,8 @@ struct PipeCfg {
   static constexpr int kOffInv = kOffAlpha + 2 * kBM * 4;  // [64] kv_scale / l
   static constexpr int kSmem = kOffInv + kBM * 4;
   static_assert(kSmem <= 101376, "portable path must fit sm_120's 99 KB per block");
-  static constexpr int kLoadIters = 5;  // 72 16-byte units a token, 16 threads a token
 };
+static_assert(pipe::kRows == kBM, "the layout's row tile is the kernels' kBM");
 
 __global__ void __launch_bounds__(256, 1) mla_tree_verify_pipelined_kernel(const MlaParams p) {
   using C = PipeCfg;
@@ -56,12 +57,7 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_pipelined_kernel(const
   float* alpha_s = reinterpret_cast<float*>(smem + C::kOffAlpha);
   float* inv_s = reinterpret_cast<float*>(smem + C::kOffInv);
 
-  // QK B operand: k-step 2i + c (latent, i < 16) or 32 + 2(i - 16) + c (rope) is chunk i >> 1, 16-byte unit
-  // 2(2(i & 1) + c) + hi, swizzled with the key's low bits: one offset and an XOR with (i & 1) << 6 serve every step
-  const int key_l = (lane & 7) + ((lane >> 4) << 3);
-  const uint32_t kofs = (key_l * 128 + ((((lane >> 3) & 1) ^ (lane & 7)) << 4)) ^ (c << 5);
-  const int vkey = (lane & 7) + (((lane >> 3) & 1) << 3);  // PV: the lane's key row of V (ldmatrix .trans)
-  const int lrow = tid >> 4, u0 = tid & 15;                // loader: token lrow, 16-byte units u0 + 16k
+  const int lrow = pipe::load_key(tid), u0 = pipe::load_unit(tid, 0);  // loader: token lrow, units u0 + 16k
 
   SchedView sv(p.sched, p.B, p.num_parts);
   const int pc_begin = sv.part_begin[part], pc_end = sv.part_begin[part + 1];
@@ -90,10 +86,10 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_pipelined_kernel(const
       const bool ok = tok < L;
       const uint8_t* src =
           ok ? p.kv + (int64_t)page * p.kv_page_stride + (int64_t)(tok & page_mask) * p.kv_row_stride : p.kv;
-      const uint32_t dst = sRing + (i & 3) * C::kTile + (u0 >> 3) * C::kChunk + swz(lrow, u0 & 7);
+      const uint32_t dst = sRing + (i & 3) * C::kTile + pipe::kv_off(lrow, u0);
 #pragma unroll
-      for (int k = 0; k < C::kLoadIters; ++k) {
-        if (u0 + 16 * k < 72) cp_async16(dst + 2 * k * C::kChunk, src + (u0 + 16 * k) * 16, ok);
+      for (int k = 0; k < pipe::kLoadIters; ++k) {
+        if (u0 + 16 * k < pipe::kUnits) cp_async16(dst + 2 * k * C::kChunk, src + (u0 + 16 * k) * 16, ok);
       }
     };
 
@@ -127,11 +123,11 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_pipelined_kernel(const
       if (!qk_work) return;
       const uint32_t kv = sRing + (j & 3) * C::kTile;
 #pragma unroll
-      for (int i = 0; i < 18; ++i) {
+      for (int i = 0; i < pipe::kQkSteps; ++i) {
         uint32_t qpe[4];
-        if (i >= 16) ldsm_x4(qpe, sQpe + swz(16 * g + (lane & 15), 2 * (2 * (i - 16) + c) + (lane >> 4)));
+        if (i >= 16) ldsm_x4(qpe, sQpe + pipe::rope_a_addr(lane, g, c, i));
         uint32_t bk[4];
-        ldsm_x4(bk, kv + (i >> 1) * C::kChunk + (kofs ^ ((i & 1) << 6)));
+        ldsm_x4(bk, kv + pipe::qk_b_addr(lane, c, i));
         mma_bf16(s[0], i < 16 ? qa[i] : qpe, bk[0], bk[1]);
         mma_bf16(s[1], i < 16 ? qa[i] : qpe, bk[2], bk[3]);
       }
@@ -144,7 +140,7 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_pipelined_kernel(const
       if ((tile + 1) * BN > tree_start) {  // one block the other tiles branch over
         row_tile::tree_mask<2>(sk, p, tile * BN, L, tree_start, rt * kBM + lr, rows, q0, q4);
       }
-      __nv_bfloat16* prow = reinterpret_cast<__nv_bfloat16*>(smem + C::kOffP + (j & 1) * C::kPBuf) + lr * C::kPStride;
+      __nv_bfloat16* prow = reinterpret_cast<__nv_bfloat16*>(smem + C::kOffP + (j & 1) * C::kPBuf + pipe::p_off(lr, 0));
       row_tile::online_softmax<2>(sk, m, l, p.scale_log2, alpha_s + (j & 1) * kBM + lr, prow, q4);
     };
 
@@ -169,15 +165,15 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_pipelined_kernel(const
       const bool more = i + 1 < ntiles;
       float s[2][4];
       if (more) qk(i + 1, s);  // issued ahead of PV: the softmax below overlaps the tensor pipe's PV work
-      const uint32_t vb = sRing + (i & 3) * C::kTile + warp * C::kChunk;
+      const uint32_t vb = sRing + (i & 3) * C::kTile;
       uint32_t bv[4][4];
 #pragma unroll
-      for (int jj = 0; jj < 4; ++jj) ldsm_x4_t(bv[jj], vb + swz(vkey, jj * 2 + (lane >> 4)));
+      for (int jj = 0; jj < 4; ++jj) ldsm_x4_t(bv[jj], vb + pipe::v_b_addr(lane, warp, jj));
       const uint32_t pb = sPu + (i & 1) * C::kPBuf;
 #pragma unroll
       for (int mi = 0; mi < 4; ++mi) {
         uint32_t pa[4];
-        ldsm_x4(pa, pb + (mi * 16 + (lane & 15)) * (C::kPStride * 2) + ((lane >> 4) << 4));
+        ldsm_x4(pa, pb + pipe::p_a_addr(lane, mi));
 #pragma unroll
         for (int jj = 0; jj < 4; ++jj) {
           mma_bf16(o[mi][2 * jj], pa, bv[jj][0], bv[jj][1]);

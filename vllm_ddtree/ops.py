@@ -18,7 +18,8 @@ import torch
 _SOURCES = ("bindings.cpp", "mla_tree_verify.cu", "mla_tree_verify_portable.cu", "mla_tree_verify_pipelined.cu",
             "mla_tree_verify_sched.cu", "mla_decode_verify.cu")
 _HEADERS = ("mla_tree_verify.cuh", "mla_device_utils.cuh", "mla_decode_layout.cuh", "mla_sched_plan.cuh",
-            "mla_launch.cuh", "mla_row_tile.cuh", "host_device.cuh")
+            "mla_launch.cuh", "mla_row_tile.cuh", "mla_pipelined_layout.cuh",
+            "host_device.cuh")
 _lock = threading.Lock()
 _loaded = False
 # DDTREE_MLA_VARIANT values (read by the kernel at each launch; unset = auto): auto picks per launch (the decode
