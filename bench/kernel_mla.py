@@ -266,7 +266,7 @@ def main() -> None:
     shapes = SHAPE_SETS[args.shapes]
     shape_baselines: dict = {shape: {} for shape in shapes}
     print(f"{'variant':>8} {'B':>3} {'L':>7} {'H':>4} {'N':>3} {'us':>9} {'TFLOP/s':>8} {'KV GB/s':>8} {'%copyBW':>7} "
-          f"{'floor':>8} {'floor_ms':>8}  (floors in us: GEMM rate / mma.sync peak)")
+          f"{'floor':>8} {'floor_mma':>9}  (floors in us: at the GEMM rate / at the mma.sync peak)")
     from vllm_ddtree.ops import KERNEL_VARIANTS
 
     for var in args.variants.split(","):
@@ -282,7 +282,7 @@ def main() -> None:
             r["floor_mma_sync_us"] = round(floor_us(flops, kv_bytes, bw, mma_sync), 2)
             rows.append(r)
             print(f"{var:>8} {B:>3} {L:>7} {H:>4} {N:>3} {r['us']:>9.1f} {r['tflops']:>8.1f} {r['kv_gbs']:>8.0f} "
-                  f"{r['pct_copy_bw']:>7.1f} {r['floor_us']:>8.1f} {r['floor_mma_sync_us']:>8.1f}"
+                  f"{r['pct_copy_bw']:>7.1f} {r['floor_us']:>8.1f} {r['floor_mma_sync_us']:>9.1f}"
                   + (f"  triton {r['triton_mla_us']:.1f} us ({r['x_vs_triton']}x)  "
                   f"flashmla {r['flashmla_causal_us']:.1f} us (ours = {r['x_of_flashmla']}x its speed)  "
                   f"hopper split {r['ours_hopper_us']:.1f} us ({r['hopper_x_vs_triton']}x triton, "
