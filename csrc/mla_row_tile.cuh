@@ -188,6 +188,16 @@ __device__ __forceinline__ void write_o_block(const MlaParams& p, const float (&
     }
 }
 
+// O = 0 before a piece's first tile.
+__device__ __forceinline__ void zero_o(float (&o)[4][8][4]) {
+#pragma unroll
+  for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[mi][nt][e] = 0.f;
+}
+
 // O *= alpha of its rows (alpha: the tile's per-row factors, CTA-local), skipped when no row of the warp moved.
 __device__ __forceinline__ void rescale_o(float (&o)[4][8][4], const float* alpha, int lane) {
   const int g8 = lane >> 2;

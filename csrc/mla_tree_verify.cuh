@@ -82,6 +82,32 @@ struct MlaParams {
   int block_n;    // KV tile width of that variant (the scheduler plans in these tiles)
 };
 
+#ifdef __CUDACC__
+// One piece of the plan as the 64-row kernels read it: its request's packed rows first, and the rest only when the
+// CTA's row tile (rows row0 .. row0 + kBM - 1) reaches into them; false (nothing else read) when it does not.
+struct PlanPiece {
+  int q0, rows;       // the request's first query token and packed rows (q_len x H)
+  int L, tree_start;  // its keys (tree tokens included) and the first tree key
+  int t0, t1, slot;   // the piece's KV tiles and workspace slot (-1: the request's only piece)
+  const int* bt;      // the request's block-table row
+};
+__device__ __forceinline__ bool read_plan_piece(const MlaParams& p, const SchedView& sv, int pc, int row0,
+                                                PlanPiece& v) {
+  const int b = sv.piece_req[pc];
+  v.q0 = p.qsl[b];
+  const int n = p.qsl[b + 1] - v.q0;
+  v.rows = n * p.H;
+  if (row0 >= v.rows) return false;
+  v.L = p.seq_lens[b];
+  v.tree_start = v.L - n;
+  v.t0 = sv.piece_t0[pc];
+  v.t1 = sv.piece_t1[pc];
+  v.slot = sv.piece_slot[pc];
+  v.bt = p.block_table + (int64_t)b * p.bt_stride;
+  return true;
+}
+#endif
+
 constexpr int kVariantPortable = 0;   // <= 99 KB smem, Q in registers: sm_80 / sm_86 / sm_89 / sm_120
 constexpr int kVariantResidentV = 1;  // ~226 KB smem, V resident, whole next tile in flight: sm_90
 constexpr int kVariantDecode = 2;     // 16-row CTAs, several per SM (mla_decode_verify.cu): every GPU, few rows

@@ -9,7 +9,6 @@
 // its tile as QK, then the softmax with the tensor pipe idle, then PV (42-46 % of its mma.sync floor). Not yet run on
 // a GPU: auto never picks it; the GPU tests cover it through the variant fixture.
 #include <cuda_bf16.h>
-#include <cuda_fp16.h>
 
 #include <cmath>
 
@@ -64,17 +63,13 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_pipelined_kernel(const
   const int page_mask = (1 << p.page_log2) - 1;
 
   for (int pc = pc_begin; pc < pc_end; ++pc) {
-    const int b = sv.piece_req[pc];
-    const int q0 = p.qsl[b];
-    const int n = p.qsl[b + 1] - q0;
-    const int rows = n * p.H;
-    if (rt * kBM >= rows) continue;  // uniform across the CTA
-    const int L = p.seq_lens[b];
-    const int slot = sv.piece_slot[pc];
-    const int tree_start = L - n;
-    const int* bt = p.block_table + (int64_t)b * p.bt_stride;
-    const int k0 = 2 * sv.piece_t0[pc];  // this piece's 16-key tiles, none wholly past L
-    const int ntiles = max(min(2 * sv.piece_t1[pc], (L + BN - 1) / BN) - k0, 0);
+    PlanPiece pz;
+    if (!read_plan_piece(p, sv, pc, rt * kBM, pz)) continue;  // uniform across the CTA
+    const int q0 = pz.q0, rows = pz.rows, L = pz.L, tree_start = pz.tree_start;
+    const int slot = pz.slot;
+    const int* bt = pz.bt;
+    const int k0 = 2 * pz.t0;  // this piece's 16-key tiles, none wholly past L
+    const int ntiles = max(min(2 * pz.t1, (L + BN - 1) / BN) - k0, 0);
     const bool qk_work = 16 * g < rows - rt * kBM;  // warp-uniform: a row group past the request skips its mma
 
     auto page_of = [&](int tile) {
@@ -107,12 +102,7 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_pipelined_kernel(const
 
     float m = -INFINITY, l = 0.f;  // row lr: reference max (log2 units, scaled) and this thread's partial sum
     float o[4][8][4];               // O[rows mi*16 + g8 (+8), dims 64 warp + nt*8 + 2q4 (+1)]
-#pragma unroll
-    for (int mi = 0; mi < 4; ++mi)
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[mi][nt][e] = 0.f;
+    row_tile::zero_o(o);
 
     // S[16 rows of g x 16 keys of tile j] over this warp's k-steps
     auto qk = [&](int j, float (&s)[2][4]) {

@@ -18,7 +18,6 @@
 // Split-KV pieces come from the device scheduler (mla_tree_verify_sched.cu); a split request writes normalized fp32
 // partials and base-2 lse for the combine kernel, like the resident-V kernel (mla_tree_verify.cu).
 #include <cuda_bf16.h>
-#include <cuda_fp16.h>
 
 #include <cmath>
 
@@ -84,16 +83,11 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_portable_kernel(const 
   const int page_mask = (1 << p.page_log2) - 1;
 
   for (int pc = pc_begin; pc < pc_end; ++pc) {
-    const int b = sv.piece_req[pc];
-    const int q0 = p.qsl[b];
-    const int n = p.qsl[b + 1] - q0;
-    const int rows = n * p.H;
-    if (rt * kBM >= rows) continue;  // uniform across the CTA
-    const int L = p.seq_lens[b];
-    const int t0 = sv.piece_t0[pc], t1 = sv.piece_t1[pc];
-    const int slot = sv.piece_slot[pc];
-    const int tree_start = L - n;
-    const int* bt = p.block_table + (int64_t)b * p.bt_stride;
+    PlanPiece pz;
+    if (!read_plan_piece(p, sv, pc, rt * kBM, pz)) continue;  // uniform across the CTA
+    const int q0 = pz.q0, rows = pz.rows, L = pz.L, tree_start = pz.tree_start;
+    const int t0 = pz.t0, t1 = pz.t1, slot = pz.slot;
+    const int* bt = pz.bt;
     const bool qk_work = 16 * g < rows - rt * kBM;  // warp-uniform: a row group past the request skips its mma
 
     auto page_of = [&](int tile) {
@@ -135,12 +129,7 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_portable_kernel(const 
 
     float m = -INFINITY, l = 0.f;  // row lr: reference max (log2 units, scaled) and this thread's partial sum
     float o[4][8][4];               // O[rows mi*16 + g8 (+8), dims 64 warp + nt*8 + 2q4 (+1)]
-#pragma unroll
-    for (int mi = 0; mi < 4; ++mi)
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[mi][nt][e] = 0.f;
+    row_tile::zero_o(o);
 
     for (int tile = t0; tile < t1; ++tile) {
       const uint32_t stage = sRing + ((tile - t0) & 1) * C::kRawTile;
