@@ -243,7 +243,7 @@ def main() -> None:
                     help="comma list of DDTREE_MLA_VARIANT values: auto (the decode kernel at few rows a request, "
                          "else resident-V where smem allows, e.g. sm_90, else portable), portable (sm_120 config), "
                          "decode (the 16-row decode kernel, at every size), decode-shallow (decode with sm_120's "
-                         "2-stage ring), portable-pipelined (the portable layout, next tile's QK ahead of PV; bf16)")
+                         "2-stage ring)")
     ap.add_argument("--shapes", choices=sorted(SHAPE_SETS), default="issue",
                     help="issue: the compute-bound shapes of the README table; memory-bound: plain decode and short "
                          "trees at few heads, judged by their share of copy bandwidth; crossover: 32-128 rows a "

@@ -48,8 +48,7 @@ def plot_kernel(data: dict, ax: object) -> None:
     first = [next(r for k, r in by.items() if k[:4] == shape) for shape in shapes]
     series = {}
     variants = (("auto", "our CUDA kernel, auto (sm_90)"), ("portable", "our CUDA kernel, portable"),
-                ("decode", "our decode kernel, forced"), ("decode-shallow", "our decode kernel, sm_120 ring"),
-                ("portable-pipelined", "our CUDA kernel, portable pipelined"))
+                ("decode", "our decode kernel, forced"), ("decode-shallow", "our decode kernel, sm_120 ring"))
     for variant, name in variants:
         if all((*shape, variant) in by for shape in shapes):
             series[name] = [by[(*shape, variant)]["us"] for shape in shapes]

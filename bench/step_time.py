@@ -12,7 +12,8 @@ reports how many timed steps ran and how many verify and drafter graph replays t
 fell out of the graphs shows it. Batch-1 steps of small targets are host-bound and shift by up to ~1.5 ms between
 processes and over time; ``--rounds R`` runs every configuration R times, interleaved, and reports the median over
 rounds; ``--paired`` keeps the engines of one budget alive at once (``bench/paired_children.py``, an equal share of
-the GPU memory each) and alternates their timed repeats, so a ratio compares steps timed seconds apart. Beside the
+the GPU memory each) and alternates their timed repeats, so a ratio compares steps timed seconds apart (ddtree
+with the V2 chain, or with the chains named by ``--pair-chains``). Beside the
 ratio of medians each row gets two that stretches of slow repeats cannot move (``robust_ratios``). Every engine
 checks that its KV cache holds the largest batch at the longest context (else it would time preemptions).
 The plugin is installed in every configuration's process, so vLLM's own chains run with its FlashAttention geometry
@@ -40,6 +41,7 @@ import os
 import statistics
 import sys
 import tempfile
+from collections.abc import Sequence
 from functools import partial
 from itertools import pairwise
 from pathlib import Path
@@ -245,12 +247,12 @@ def _paired_rows(args: argparse.Namespace, workdir: str, group: list[tuple[str, 
             child.close()
 
 
-def paired_groups(configs: list[tuple[str, int]]) -> list[list[tuple[str, int]]]:
-    """The configurations whose engines live at once: per budget, the V2 chain (``dflash``) with the ddtree ones —
-    the ratios held to 1.1x. Every other configuration gets a group of its own: on the H200, groups of five engines
-    (no spec, both chains, both V1 chains, ddtree) lost an engine core without a trace at its first prefill, twice,
-    while groups of two ran every cell."""
-    paired = [c for c in configs if c[1] and (c[0] == "dflash" or c[0].startswith("ddtree"))]
+def paired_groups(configs: list[tuple[str, int]], chains: Sequence[str] = ("dflash",)) -> list[list[tuple[str, int]]]:
+    """The configurations whose engines live at once: per budget, the ``chains`` (by default the V2 chain, whose
+    ratios are held to 1.1x; ``dflash-v1-plain`` for the 0.25x one) with the ddtree ones. Every other configuration
+    gets a group of its own: on the H200, groups of five engines (no spec, both chains, both V1 chains, ddtree) lost
+    an engine core without a trace at its first prefill, twice, while groups of two ran every cell."""
+    paired = [c for c in configs if c[1] and (c[0] in chains or c[0].startswith("ddtree"))]
     groups = [[c] for c in configs if c not in paired]
     for budget in dict.fromkeys(b for _, b in paired):
         groups.append([c for c in paired if c[1] == budget])
@@ -278,6 +280,9 @@ def main() -> None:
                         help="keep a budget's V2 chain and ddtree engines alive at once and alternate their timed "
                              "repeats (each engine gets an equal share of --gpu-memory); the other configurations "
                              "run one engine at a time")
+    parser.add_argument("--pair-chains", nargs="+", default=["dflash"], metavar="CONFIG",
+                        help="with --paired: the chain configurations each budget's ddtree engines alternate with "
+                             "(default dflash, the V2 chain; dflash-v1-plain for the V1 chain as vLLM ships it)")
     parser.add_argument("--pin", action="store_true",
                         help="with --paired: pin each engine of a group (and its engine core) to its own physical "
                              "CPU cores")
@@ -305,7 +310,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as workdir:
         for round_index in range(args.rounds):
             if args.paired:
-                for group in paired_groups(configs):
+                for group in paired_groups(configs, args.pair_chains):
                     for row in _paired_rows(args, workdir, group):
                         rows.append(dict(row, round=round_index))
                         print("RESULT " + json.dumps(row), flush=True)
@@ -320,13 +325,13 @@ def main() -> None:
                     print("RESULT " + json.dumps(row), flush=True)
                     _write(args, rows)
     table = _write(args, rows)
-    keys = ("vs_chain", "vs_chain_q1", "vs_chain_pairs", "vs_chain_v1", "vs_chain_v1_plain")
+    keys = ("vs_chain", "vs_chain_q1", "vs_chain_pairs", "vs_chain_v1", "vs_chain_v1_plain", "vs_chain_v1_plain_pairs")
     print(f"{'config':15} {'budget':>6} {'ctx':>6} {'batch':>5} {'step ms':>8} {'vs chain':>8} {'(q1)':>6} "
-          f"{'(pairs)':>7} {'vs V1 chain':>11} {'vs plain V1':>11}")
+          f"{'(pairs)':>7} {'vs V1 chain':>11} {'vs plain V1':>11} {'(pairs)':>7}")
     for r in table:
         ratios = [f"{r[key]:.3f}" if r.get(key) else "" for key in keys]
         print(f"{r['method']:15} {r['budget']:>6} {r['context']:>6} {r['batch']:>5} {r['step_ms']:>8.3f} "
-              f"{ratios[0]:>8} {ratios[1]:>6} {ratios[2]:>7} {ratios[3]:>11} {ratios[4]:>11}")
+              f"{ratios[0]:>8} {ratios[1]:>6} {ratios[2]:>7} {ratios[3]:>11} {ratios[4]:>11} {ratios[5]:>7}")
 
 
 def combine_rounds(rows: list[dict]) -> list[dict]:
@@ -351,38 +356,34 @@ def combine_rounds(rows: list[dict]) -> list[dict]:
     return table
 
 
-def robust_ratios(samples: list[float], chain: list[float] | None, paired: bool) -> dict[str, float | None]:
-    """Two ratios to the V2 chain that a few slow repeats cannot move (on the lent H200 some stretches of seconds run
-    ~1.3 ms slower, often in both engines of a pair at once): of the lower quartiles (the undisturbed steps), and,
-    when the engines alternated their repeats, the median of the ratios of repeats timed one after the other."""
+def robust_ratios(samples: list[float], chain: list[float] | None, paired: bool, key: str = "vs_chain"
+                  ) -> dict[str, float | None]:
+    """Two ratios to a chain (``key`` names it: ``vs_chain`` the V2 chain) that a few slow repeats cannot move (on
+    the lent H200 some stretches of seconds run ~1.3 ms slower, often in both engines of a pair at once): of the
+    lower quartiles (the undisturbed steps), and, when the engines alternated their repeats, the median of the
+    ratios of repeats timed one after the other."""
     if not chain or len(samples) < 2 or len(chain) < 2:
-        return {"vs_chain_q1": None, "vs_chain_pairs": None}
+        return {f"{key}_q1": None, f"{key}_pairs": None}
     q1 = statistics.quantiles(samples, n=4)[0] / statistics.quantiles(chain, n=4)[0]
     pairs = None
     if paired and len(samples) == len(chain):
         pairs = statistics.median(s / c for s, c in zip(samples, chain, strict=True))
-    return {"vs_chain_q1": round(q1, 3), "vs_chain_pairs": round(pairs, 3) if pairs else None}
+    return {f"{key}_q1": round(q1, 3), f"{key}_pairs": round(pairs, 3) if pairs else None}
 
 
 def _write(args: argparse.Namespace, rows: list[dict]) -> list[dict]:
     """The JSON report; every speculative row gets its ratio to the V2 chain step of the same width, context and
-    batch, and every ddtree row its ratios to the V1 chains (with the plugin, and as vLLM ships it)."""
+    batch, and every ddtree row its ratios to the V1 chains (with the plugin, and as vLLM ships it); each ratio of
+    medians comes with the two robust ones (``robust_ratios``: ``…_q1``, ``…_pairs``)."""
     rows = combine_rounds(rows)
-
-    def steps_of(method: str) -> dict[tuple, float]:
-        return {(r["budget"], r["context"], r["batch"]): r["step_ms"] for r in rows if r["method"] == method}
-
-    chain = steps_of("dflash")
-    chain_samples = {(r["budget"], r["context"], r["batch"]): r["samples_ms"] for r in rows if r["method"] == "dflash"}
-    chains_v1 = {"vs_chain_v1": steps_of("dflash-v1"), "vs_chain_v1_plain": steps_of("dflash-v1-plain")}
+    chains = {"vs_chain": "dflash", "vs_chain_v1": "dflash-v1", "vs_chain_v1_plain": "dflash-v1-plain"}
+    by_cell = {(r["method"], r["budget"], r["context"], r["batch"]): r for r in rows}
     for r in rows:
-        cell = (r["budget"], r["context"], r["batch"])
-        ref = chain.get(cell) if r["budget"] else None
-        r["vs_chain"] = round(r["step_ms"] / ref, 3) if ref and r["method"] != "dflash" else None
-        r.update(robust_ratios(r["samples_ms"], chain_samples.get(cell) if r["vs_chain"] else None, args.paired))
-        for key, steps in chains_v1.items():
-            ref_v1 = steps.get(cell) if r["budget"] else None
-            r[key] = round(r["step_ms"] / ref_v1, 3) if ref_v1 and r["method"].startswith("ddtree") else None
+        for key, chain in chains.items():
+            compared = r["method"] != "dflash" if key == "vs_chain" else r["method"].startswith("ddtree")
+            ref = by_cell.get((chain, r["budget"], r["context"], r["batch"])) if r["budget"] and compared else None
+            r[key] = round(r["step_ms"] / ref["step_ms"], 3) if ref else None
+            r.update(robust_ratios(r["samples_ms"], ref["samples_ms"] if ref else None, args.paired, key))
     arch, geometry, configs = TARGETS[args.target]
     args.out.write_text(json.dumps({
         "machine": "H200", "target": {"name": args.target, "architecture": arch, **geometry},

@@ -1,7 +1,7 @@
-// Pieces of the portable 64-row kernels (mla_tree_verify_portable.cu, mla_tree_verify_pipelined.cu), which share a
-// layout: 8 warps, warp (row group g = warp & 3, k-step parity c = warp >> 2) holding Q's latent k-steps 2i + c of its
-// 16 rows in registers, Q's rope dims in one swizzled [64 x 64] chunk of shared memory, and warp w owning
-// O[64 rows x dims 64w .. 64w + 63]. Kept in one place so both kernels load Q and write a row tile the same way.
+// Row-tile pieces of the portable 64-row kernel (mla_tree_verify_portable.cu), apart from its tile loop: Q loads,
+// the pair exchange, tree mask and online softmax, and the epilogue. Its layout: 8 warps, warp (row group
+// g = warp & 3, k-step parity c = warp >> 2) holding Q's latent k-steps 2i + c of its 16 rows in registers, Q's rope
+// dims in one swizzled [64 x 64] chunk of shared memory, and warp w owning O[64 rows x dims 64w .. 64w + 63].
 #pragma once
 
 #include <cuda_bf16.h>

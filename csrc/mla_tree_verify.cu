@@ -533,7 +533,6 @@ bool mla_decode_force_shallow() {
 int mla_pick_variant(int device, int rows, int64_t batch) {
   const char* env = std::getenv("DDTREE_MLA_VARIANT");
   if (env != nullptr && std::strcmp(env, "portable") == 0) return kVariantPortable;
-  if (env != nullptr && std::strcmp(env, "portable-pipelined") == 0) return kVariantPortablePipelined;
   if (env != nullptr && std::strncmp(env, "decode", 6) == 0) return kVariantDecode;
   // The decode kernel where a request has few rows. H200, bench/kernel_mla.py --shapes memory-bound / crossover
   // (2026-12-01): 1.2-2.2x faster than the 64-row kernels at 8-32 rows a request, and at 48-64 rows for one request;
@@ -562,8 +561,6 @@ void launch_mla_tree_verify(const MlaParams& p, cudaStream_t stream) {
     } else {
       launch_main<false>(p, stream);
     }
-  } else if (p.variant == kVariantPortablePipelined && !p.kv_fp8) {
-    launch_mla_pipelined_main(p, stream);
   } else {
     launch_mla_portable_main(p, stream);
   }

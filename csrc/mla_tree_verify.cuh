@@ -78,7 +78,7 @@ struct MlaParams {
   float* ws_o;    // [num_slots, max_q*H, 512] normalized fp32 partials (64-row variants)
   uint16_t* ws_o_bf16;  // the decode variant's partials, same shape, as bf16 bits (half the bytes to write and merge)
   float* ws_lse;  // [num_slots, max_q*H] base-2 lse of the partials
-  int variant;    // kVariantPortable, kVariantResidentV, kVariantDecode or kVariantPortablePipelined
+  int variant;    // kVariantPortable, kVariantResidentV, or kVariantDecode
   int block_n;    // KV tile width of that variant (the scheduler plans in these tiles)
 };
 
@@ -111,7 +111,6 @@ __device__ __forceinline__ bool read_plan_piece(const MlaParams& p, const SchedV
 constexpr int kVariantPortable = 0;   // <= 99 KB smem, Q in registers: sm_80 / sm_86 / sm_89 / sm_120
 constexpr int kVariantResidentV = 1;  // ~226 KB smem, V resident, whole next tile in flight: sm_90
 constexpr int kVariantDecode = 2;     // 16-row CTAs, several per SM (mla_decode_verify.cu): every GPU, few rows
-constexpr int kVariantPortablePipelined = 3;  // the portable layout, QK of tile i+1 ahead of PV of tile i: forced only
 constexpr int kDecodeBM = 16;         // packed rows per decode CTA (row tiles = ceil(max_q * H / 16))
 
 // Number of workspace slots needed for P parts and B requests (split pieces <= 2(P-1)).
@@ -123,8 +122,7 @@ inline int mla_num_slots(int B, int P) {
 // Picks the kernel variant of a launch of `rows` = max_q * H packed rows a request and `batch` requests on `device`:
 // decode for few rows a request, else resident-V where the opt-in shared memory allows it (sm_90), else portable.
 // DDTREE_MLA_VARIANT forces one: portable (the sm_120 configuration, testable on an H200), decode (any rows),
-// decode-shallow (the decode kernel with the 2-stage ring of 100-KB-per-SM GPUs such as sm_120, on any GPU), or
-// portable-pipelined (mla_tree_verify_pipelined.cu; bf16 caches, fp8 ones run the portable kernel).
+// or decode-shallow (the decode kernel with the 2-stage ring of 100-KB-per-SM GPUs such as sm_120, on any GPU).
 int mla_pick_variant(int device, int rows, int64_t batch);
 // Whether DDTREE_MLA_VARIANT=decode-shallow forces the decode kernel's 2-stage ring.
 bool mla_decode_force_shallow();
@@ -138,8 +136,6 @@ void launch_mla_decode(const MlaParams& p, cudaStream_t stream);
 // Portable variant's main kernel (mla_tree_verify_portable.cu); launch_mla_tree_verify runs the scheduler before it
 // and the combine after it.
 void launch_mla_portable_main(const MlaParams& p, cudaStream_t stream);
-// Portable pipelined variant's main kernel (mla_tree_verify_pipelined.cu; bf16 caches), same scheduler and combine.
-void launch_mla_pipelined_main(const MlaParams& p, cudaStream_t stream);
 
 // Launches scheduler, main kernel and combine on `stream`. No host synchronization, no host reads of device data.
 void launch_mla_tree_verify(const MlaParams& p, cudaStream_t stream);

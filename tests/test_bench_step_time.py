@@ -40,6 +40,8 @@ def test_rounds_combine_to_their_median_and_ratios_use_it(tmp_path: Path) -> Non
     assert by_method["ddtree"]["vs_chain_q1"] == round(3.5 / 3.0, 3)
     assert by_method["dflash"]["vs_chain_q1"] is None and by_method["dflash"]["vs_chain_pairs"] is None
     assert by_method["dflash-v1"]["vs_chain_v1_plain"] is None  # only ddtree rows compare with the V1 chains
+    assert by_method["ddtree"]["vs_chain_v1_plain_pairs"] == round(4.2 / 19.0, 3)  # 3.5/20, 9/21, 4.2/19
+    assert by_method["dflash-v1"]["vs_chain_v1_plain_q1"] is None
     assert by_method["ddtree"]["steps"] == 90 and by_method["ddtree"]["verify_graph_replays"] == 30
     assert by_method["dflash-v1"]["verify_graph_replays"] is None
     written = json.loads(args.out.read_text())
@@ -162,6 +164,10 @@ def test_paired_groups_pair_the_v2_chain_with_ddtree_per_budget() -> None:
         [("dflash", 8), ("ddtree", 8), ("ddtree-own", 8)], [("dflash", 16), ("ddtree", 16)],
     ]  # fmt: skip
     assert step_time.paired_groups([("none", 0)]) == [[("none", 0)]]
+    assert step_time.paired_groups(configs, chains=("dflash-v1-plain",)) == [
+        [("none", 0)], [("dflash", 8)], [("dflash-v1", 8)], [("dflash", 16)],
+        [("ddtree", 8), ("ddtree-own", 8)], [("dflash-v1-plain", 16), ("ddtree", 16)],
+    ]  # fmt: skip
 
 
 def test_python_time_by_function_splits_inclusive_and_self_time(tmp_path: Path) -> None:
@@ -189,3 +195,5 @@ def test_robust_ratios_pair_repeats_only_when_the_engines_alternated() -> None:
     assert step_time.robust_ratios(ddtree, chain, paired=False) == {"vs_chain_q1": round(2.7 / 2.6, 3),
                                                                      "vs_chain_pairs": None}
     assert step_time.robust_ratios([2.7], [2.6], paired=True) == {"vs_chain_q1": None, "vs_chain_pairs": None}
+    assert step_time.robust_ratios(ddtree, chain, paired=True, key="vs_chain_v1_plain") == {
+        "vs_chain_v1_plain_q1": round(2.7 / 2.6, 3), "vs_chain_v1_plain_pairs": round(2.7 / 2.6, 3)}

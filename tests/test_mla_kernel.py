@@ -127,9 +127,7 @@ def kernel_variant(request: pytest.FixtureRequest):
     """Every GPU test runs once per DDTREE_MLA_VARIANT: auto (the launch's choice: the decode kernel at few rows a
     request, else resident-V on sm_90, portable elsewhere), portable (the <= 99 KB configuration sm_80 / sm_120
     build), decode (the 16-row decode kernel, forced at every size, which exercises its masking and split paths on
-    every shape), decode-shallow (the same with the 2-stage ring sm_120 gets) and portable-pipelined (the portable
-    layout with the next tile's QK issued ahead of this tile's PV; fp8 caches run the portable kernel), so the H200
-    checks all of them."""
+    every shape) and decode-shallow (the same with the 2-stage ring sm_120 gets), so the H200 checks all of them."""
     old = os.environ.get("DDTREE_MLA_VARIANT")
     os.environ["DDTREE_MLA_VARIANT"] = request.param
     yield request.param

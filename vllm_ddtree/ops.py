@@ -15,18 +15,16 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = ("bindings.cpp", "mla_tree_verify.cu", "mla_tree_verify_portable.cu", "mla_tree_verify_pipelined.cu",
-            "mla_tree_verify_sched.cu", "mla_decode_verify.cu")
+_SOURCES = ("bindings.cpp", "mla_tree_verify.cu", "mla_tree_verify_portable.cu", "mla_tree_verify_sched.cu",
+            "mla_decode_verify.cu")
 _HEADERS = ("mla_tree_verify.cuh", "mla_device_utils.cuh", "mla_decode_layout.cuh", "mla_sched_plan.cuh",
-            "mla_launch.cuh", "mla_row_tile.cuh", "mla_pipelined_layout.cuh",
-            "host_device.cuh")
+            "mla_launch.cuh", "mla_row_tile.cuh", "host_device.cuh")
 _lock = threading.Lock()
 _loaded = False
 # DDTREE_MLA_VARIANT values (read by the kernel at each launch; unset = auto): auto picks per launch (the decode
 # kernel at few rows a request, else resident-V on sm_90, portable elsewhere); the others force one, for tests and
-# benchmarks (decode-shallow: the decode kernel with the 2-stage ring of 100-KB-per-SM GPUs such as sm_120;
-# portable-pipelined: the portable layout with QK of the next tile issued ahead of PV, bf16 caches, not yet timed).
-KERNEL_VARIANTS = ("auto", "portable", "decode", "decode-shallow", "portable-pipelined")
+# benchmarks (decode-shallow: the decode kernel with the 2-stage ring of 100-KB-per-SM GPUs such as sm_120).
+KERNEL_VARIANTS = ("auto", "portable", "decode", "decode-shallow")
 
 
 def csrc_dir() -> Path:
