@@ -303,6 +303,10 @@ def main() -> None:
     unknown = sorted(set(names) - set(TARGETS[args.target][2]))
     if unknown:
         parser.error(f"unknown configs {unknown} for {args.target}; choose from {sorted(TARGETS[args.target][2])}")
+    not_chains = sorted(c for c in args.pair_chains if c not in TARGETS[args.target][2] or c.startswith("ddtree")
+                        or not TARGETS[args.target][2][c][0])
+    if not_chains:
+        parser.error(f"--pair-chains takes chain configurations of {args.target}; {not_chains} are not")
     speculative = [n for n in names if TARGETS[args.target][2][n][0]]
     configs = [(n, 0) for n in names if n not in speculative] + [(n, b) for b in args.budgets for n in speculative]
     rows: list[dict] = []
