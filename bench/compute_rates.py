@@ -18,9 +18,14 @@ import os
 import shutil
 import statistics
 import subprocess
+import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from vllm_ddtree.ops import cache_root, csrc_dir  # noqa: E402
 
 SOURCE = Path(__file__).resolve().parent / "mma_sync_rate.cu"
 
@@ -53,14 +58,16 @@ def build_rate_library(arch: str, cache: Path | None = None) -> Path:
     nvcc = nvcc_path()
     if nvcc is None:
         raise FileNotFoundError("nvcc not found: set CUDA_HOME to a CUDA toolkit to measure the mma.sync rate")
-    key = hashlib.sha256(SOURCE.read_bytes() + arch.encode()).hexdigest()[:16]
-    cache = cache or Path(os.environ.get("VLLM_DDTREE_CACHE", Path.home() / ".cache" / "vllm-ddtree")) / "bench"
+    include = csrc_dir()
+    key = hashlib.sha256(SOURCE.read_bytes() + (include / "mla_device_utils.cuh").read_bytes() + arch.encode())
+    key = key.hexdigest()[:16]
+    cache = cache or cache_root() / "bench"
     cache.mkdir(parents=True, exist_ok=True)
     lib = cache / f"mma_sync_rate_{arch}_{key}.so"
     if not lib.is_file():
         tmp = lib.with_suffix(".tmp.so")
         subprocess.run([nvcc, "-O3", "-shared", "-Xcompiler", "-fPIC", f"-gencode=arch=compute_{arch},code=sm_{arch}",
-                        str(SOURCE), "-o", str(tmp)], check=True, capture_output=True, text=True)
+                        f"-I{include}", str(SOURCE), "-o", str(tmp)], check=True, capture_output=True, text=True)
         tmp.replace(lib)
     return lib
 

@@ -185,6 +185,12 @@ def kernel_breakdown_us(fn, calls: int = 20) -> dict[str, float]:
     return out
 
 
+def shape_work(B: int, L: int, H: int, N: int, fp8: bool) -> tuple[float, float]:
+    """A verify call's FLOPs (QK over 576 dims and PV over 512, every (node, head) row against all L keys) and its KV
+    bytes (each key's 576 dims read once), the numerators of its TFLOP/s, copy-rate share and floors."""
+    return 2176.0 * N * H * L * B, B * L * 576 * (1 if fp8 else 2)
+
+
 def time_shape(B: int, L: int, H: int, N: int, page: int, fp8: bool, rotate: int, reps: int,
                baselines: dict | None = None, breakdown: bool = False) -> dict:
     """Our kernel on one shape; ``baselines`` (a dict, filled on the first variant of the shape and reused by the
@@ -214,8 +220,7 @@ def time_shape(B: int, L: int, H: int, N: int, page: int, fp8: bool, rotate: int
             mla_tree_verify(q_nope, q_pe, c, bt, seq_lens, qsl, bits, scale, 1.0, out, lse, max_query_len=N)
 
     us = graph_time_us(step, reps, rotate)
-    flops = 2176.0 * N * H * L * B
-    kv_bytes = B * L * 576 * (1 if fp8 else 2)
+    flops, kv_bytes = shape_work(B, L, H, N, fp8)
     row = dict(B=B, L=L, H=H, N=N, page=page, fp8=fp8, us=round(us, 2), tflops=round(flops / us / 1e6, 1),
                kv_gbs=round(kv_bytes / us / 1e3, 1), variant=os.environ.get("DDTREE_MLA_VARIANT", "auto"))
     if breakdown:
@@ -277,7 +282,7 @@ def main() -> None:
             r = time_shape(B, L, H, N, args.page, args.fp8, args.rotate, args.reps,
                            shape_baselines[(B, L, H, N)] if args.baselines else None, args.breakdown)
             r["pct_copy_bw"] = round(100 * r["kv_gbs"] / bw, 1)
-            flops, kv_bytes = 2176.0 * N * H * L * B, B * L * 576 * (1 if args.fp8 else 2)
+            flops, kv_bytes = shape_work(B, L, H, N, args.fp8)
             r["floor_us"] = round(floor_us(flops, kv_bytes, bw, gemm), 2)
             r["floor_mma_sync_us"] = round(floor_us(flops, kv_bytes, bw, mma_sync), 2)
             rows.append(r)

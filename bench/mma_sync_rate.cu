@@ -1,18 +1,16 @@
 // The rate of the instruction the portable MLA kernel runs (mma.sync m16n8k16, bf16 in, fp32 accumulate), measured
 // with W warps on each SM sub-partition and C independent accumulator chains a warp: C = 1 gives the dependent-issue
-// latency, C >= 4 the sub-partition's peak. bench/compute_rates.py builds this into a shared library and calls it.
+// latency, C >= 4 the sub-partition's peak. bench/compute_rates.py builds this into a shared library (with csrc/ on
+// the include path: it times the kernels' own wrapper, dev::mma_bf16) and calls it.
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "mla_device_utils.cuh"
+
 namespace {
 
-__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+using ddtree::dev::mma_bf16;
 
 constexpr int kMmaPerRound = 72;
 
@@ -23,7 +21,7 @@ __global__ void mma_chains(float* out, int rounds, uint32_t seed) {
   float acc[C][4] = {};
   for (int r = 0; r < rounds; ++r) {
 #pragma unroll
-    for (int i = 0; i < kMmaPerRound; ++i) mma(acc[i % C], a, b0 + i, b1);
+    for (int i = 0; i < kMmaPerRound; ++i) mma_bf16(acc[i % C], a, b0 + i, b1);
   }
   float s = 0.f;
 #pragma unroll

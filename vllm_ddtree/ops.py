@@ -42,6 +42,11 @@ def csrc_dir() -> Path:
     raise FileNotFoundError("vllm_ddtree: csrc/ sources not found next to the package")
 
 
+def cache_root() -> Path:
+    """Where built artifacts are cached: ``$VLLM_DDTREE_CACHE``, else ``~/.cache/vllm-ddtree``."""
+    return Path(os.environ.get("VLLM_DDTREE_CACHE", Path.home() / ".cache" / "vllm-ddtree"))
+
+
 def _build_dir(src: Path, arch_list: str) -> tuple[str, Path]:
     """Cache key: source contents + arch list + torch/CUDA versions, so a stale build is never loaded."""
     h = hashlib.sha256()
@@ -50,8 +55,7 @@ def _build_dir(src: Path, arch_list: str) -> tuple[str, Path]:
         h.update((src / name).read_bytes())
     h.update(f"{arch_list}|{torch.__version__}|{torch.version.cuda}".encode())
     key = h.hexdigest()[:16]
-    root = Path(os.environ.get("VLLM_DDTREE_CACHE", Path.home() / ".cache" / "vllm-ddtree")) / "torch_ext"
-    d = root / f"ddtree_C_{key}"
+    d = cache_root() / "torch_ext" / f"ddtree_C_{key}"
     d.mkdir(parents=True, exist_ok=True)
     return f"ddtree_C_{key}", d
 
