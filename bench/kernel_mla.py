@@ -139,11 +139,12 @@ def baseline_times(q: torch.Tensor, caches: list, tables: list, B: int, L: int, 
 
 def hopper_split_time(q: torch.Tensor, caches: list, tables: list, B: int, L: int, H: int, N: int, bits: torch.Tensor,
                       reps: int) -> float:
-    """The DDTree MLA backend's Hopper decode: FlashMLA over the L-N context keys (no mask), then ``mla_tree_tail``
-    over the N tree keys with the log-sum-exp merge (query padding is a no-op here: every request has N rows)."""
+    """The DDTree MLA backend's Hopper decode (``split_verify``): FlashMLA over the L-N context keys (no mask) while
+    ``mla_tree_tail`` attends the N tree keys on a second stream, then the log-sum-exp merge (query padding is a
+    no-op here: every request has N rows)."""
     from vllm.third_party.flashmla.flash_mla_interface import flash_mla_with_kvcache, get_mla_metadata
 
-    from vllm_ddtree.mla_tree_tail import mla_tree_tail
+    from vllm_ddtree.mla_tree_tail import split_verify
 
     scale = 1 / math.sqrt(576)
     q4 = q.view(B, N, H, 576).contiguous()
@@ -153,12 +154,16 @@ def hopper_split_time(q: torch.Tensor, caches: list, tables: list, B: int, L: in
     out = torch.empty(B * N, H, 512, dtype=torch.bfloat16, device="cuda")
     lse = torch.empty(B * N, H, dtype=torch.float32, device="cuda")
     sm, _ = get_mla_metadata()
+    side = torch.cuda.Stream()
 
     def split() -> None:
         for c, bt in zip(caches, tables, strict=True):
-            o, ls = flash_mla_with_kvcache(q4, c.view(c.shape[0], c.shape[1], 1, 576), bt, context, 512, sm, None,
-                                           softmax_scale=scale, causal=False)
-            mla_tree_tail(q[..., :512], q[..., 512:], c, bt, seq_lens, qsl, bits, scale, out, lse, N, o, ls)
+            def context_pass(c: torch.Tensor = c, bt: torch.Tensor = bt) -> tuple[torch.Tensor, torch.Tensor]:
+                return flash_mla_with_kvcache(q4, c.view(c.shape[0], c.shape[1], 1, 576), bt, context, 512, sm, None,
+                                              softmax_scale=scale, causal=False)
+
+            split_verify(context_pass, q[..., :512], q[..., 512:], c, bt, seq_lens, qsl, bits, scale, out, lse, N,
+                         side)  # fmt: skip
 
     return graph_time_us(split, reps, len(caches))
 

@@ -2,8 +2,8 @@
 
 * ``mla_tree_tail`` (the Hopper split's tree tail): microseconds per call for each output-part count in
   ``V_SPLITS`` at verify shapes (B requests of N tree tokens, H heads; the request's context does not change the
-  tail's work), with a context pass to merge, over 4 rotating caches. The default rule (``output_parts``) is
-  printed beside the best.
+  tail's work), alone (as it runs on its own stream beside FlashMLA), over 4 rotating caches. The default rule
+  (``output_parts``) is printed beside the best.
 * ``topk_logprobs`` (the drafter's per-depth top-k): microseconds per call for several first-pass slice lengths
   (``MIN_SLICE``) at R = batch x 15 depths rows of a 163,840-token vocabulary, bf16 logits, k = 8.
 * The DFlash drafter's attention as vLLM runs it (FA3, paged KV, non-causal, 32 query / 8 KV heads of 128): per
@@ -41,10 +41,9 @@ DEPTH = 15
 def _tail_calls(caches: list, tables: list, inputs: tuple, parts: int) -> None:
     from vllm_ddtree.mla_tree_tail import mla_tree_tail
 
-    q_nope, q_pe, seq_lens, qsl, bits, out, lse, n, prefix_out, prefix_lse = inputs
+    q_nope, q_pe, seq_lens, qsl, bits, out, lse, n = inputs
     for cache, table in zip(caches, tables, strict=True):
-        mla_tree_tail(q_nope, q_pe, cache, table, seq_lens, qsl, bits, 1 / 24, out, lse, n, prefix_out, prefix_lse,
-                      v_split=parts)  # fmt: skip
+        mla_tree_tail(q_nope, q_pe, cache, table, seq_lens, qsl, bits, 1 / 24, out, lse, n, v_split=parts)
 
 
 def tail_rows(reps: int, rotate: int = 4, context: int = 4096, page: int = 64) -> list[dict]:
@@ -63,13 +62,11 @@ def tail_rows(reps: int, rotate: int = 4, context: int = 4096, page: int = 64) -
         seq_lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
         qsl = torch.arange(0, T + 1, N, dtype=torch.int32, device="cuda")
         bits = torch.tensor(sum((random_tree_bits(N, rng) for _ in range(B)), []), dtype=torch.int64, device="cuda")
-        prefix_out = (torch.randn(B, N, H, 512, device="cuda") / 10).to(torch.bfloat16)
-        prefix_lse = torch.randn(B, H, N, device="cuda")
         out = torch.empty(T, H, 512, dtype=torch.bfloat16, device="cuda")
         lse = torch.empty(T, H, dtype=torch.float32, device="cuda")
         programs = B * math.ceil(N * H / tail.BLOCK_M)
         row = dict(B=B, H=H, N=N, default_parts=tail.output_parts(programs))
-        inputs = (q[..., :512], q[..., 512:], seq_lens, qsl, bits, out, lse, N, prefix_out, prefix_lse)
+        inputs = (q[..., :512], q[..., 512:], seq_lens, qsl, bits, out, lse, N)
         for parts in tail.V_SPLITS:
             run = partial(_tail_calls, caches, tables, inputs, parts)
             row[f"us_parts_{parts}"] = round(graph_time_us(run, reps, rotate), 2)

@@ -1,6 +1,7 @@
 """The MLA tree tail (Triton) merged with a context pass equals the fp32 reference of the whole tree verify.
 
-On the H200 the context pass is FlashMLA; here it is ``mla_context_reference`` (fp32), and the kernel runs under
+On the H200 the context pass is FlashMLA (the tail on a second stream, also inside a CUDA graph); here it is
+``mla_context_reference`` (fp32), and the kernels run under
 the Triton interpreter (in a subprocess: the flag must be set before Triton compiles anything). Inputs: a paged
 bf16 latent cache with shuffled pages and NaN-poisoned unused pages/slots, requests with q_len 1..64 (trees and
 causal rows), contexts from 0 up, a q_len-0 padding request.
@@ -12,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -63,10 +65,11 @@ def random_case(seed: int, device: str = "cpu", heads: int = 8, page: int = 16, 
 
 
 def check_case(case: dict, with_prefix: bool, v_split: int | None = None) -> None:
-    """Tail (+ context reference) vs the whole-verify fp32 reference, on the rows that exist; ``v_split`` output
-    parts per row tile (None: the launcher's choice)."""
+    """Tail alone, or ``split_verify`` with the context reference as its context pass (on a second stream on CUDA),
+    vs the whole-verify fp32 reference, on the rows that exist; ``v_split`` output parts per row tile (None: the
+    launcher's choice; the tail alone only)."""
     from vllm_ddtree.mla_reference import mla_tree_verify_ref
-    from vllm_ddtree.mla_tree_tail import mla_context_reference, mla_tree_tail
+    from vllm_ddtree.mla_tree_tail import mla_context_reference, mla_tree_tail, split_verify
 
     args = {k: case[k] for k in ("q_nope", "q_pe", "kv_cache", "block_table", "seq_lens", "query_start_loc")}
     seq_lens, qsl = case["seq_lens"].cpu(), case["query_start_loc"].cpu()
@@ -97,13 +100,15 @@ def check_case(case: dict, with_prefix: bool, v_split: int | None = None) -> Non
     device = case["q_nope"].device
     out = torch.full((tokens, heads, 512), float("nan"), dtype=case["q_nope"].dtype, device=device)
     lse = torch.full((tokens, heads), float("nan"), device=device)
-    prefix = {}
+    common = dict(**args, tree_bits=case["tree_bits"], softmax_scale=case["softmax_scale"], out=out, lse=lse,
+                  max_query_len=case["max_query_len"])
     if with_prefix:
         po, pl = mla_context_reference(cpu["q_nope"], cpu["q_pe"], cpu["kv_cache"], cpu["block_table"],
                                        seq_lens - q_lens, qsl, case["softmax_scale"], case["max_query_len"])
-        prefix = dict(prefix_out=po.to(case["q_nope"].dtype).to(device), prefix_lse=pl.to(device))
-    mla_tree_tail(**args, tree_bits=case["tree_bits"], softmax_scale=case["softmax_scale"], out=out, lse=lse,
-                  max_query_len=case["max_query_len"], v_split=v_split, **prefix)
+        side = torch.cuda.Stream() if device.type == "cuda" else None
+        split_verify(lambda: (po.to(case["q_nope"].dtype).to(device), pl.to(device)), **common, side_stream=side)
+    else:
+        mla_tree_tail(**common, v_split=v_split)
     got, got_lse = out.float().cpu(), lse.cpu()
     assert not got.isnan().any() and not got_lse.isnan().any()
     err = (got - want).norm() / want.norm()
@@ -191,7 +196,7 @@ INTERPRETER_CHECK = textwrap.dedent(
         check_case(random_case(seed + 10), with_prefix=False)
         check_backend_split(random_case(seed + 20, page=64))
     check_backend_split(random_case(23, page=64, uniform=17))  # a verify batch: FlashMLA takes the rows as they are
-    check_case(random_case(30), with_prefix=True, v_split=1)  # one program per row tile (large batches)
+    check_case(random_case(30), with_prefix=False, v_split=1)  # one program per row tile (large batches)
     check_case(random_case(31), with_prefix=False, v_split=4)
     check_case(random_case(32, uniform=9), with_prefix=True)  # 16 key columns
     check_case(random_case(33, uniform=17), with_prefix=False)  # 32 key columns
@@ -213,41 +218,67 @@ def test_cuda_tail_matches_reference(heads: int) -> None:
     for seed in range(4):
         check_case(random_case(seed, "cuda", heads), with_prefix=True)
         check_case(random_case(seed + 10, "cuda", heads), with_prefix=False)
-        check_case(random_case(seed + 20, "cuda", heads), with_prefix=True, v_split=1)
+        check_case(random_case(seed + 20, "cuda", heads), with_prefix=False, v_split=1)
         check_case(random_case(seed + 30, "cuda", heads, uniform=9), with_prefix=True)  # 16 key columns
         check_case(random_case(seed + 40, "cuda", heads, uniform=17), with_prefix=False)  # 32 key columns
+
+
+def flashmla_context_pass(case: dict) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+    """vLLM's FlashMLA over each request's context keys, its rows padded to the launch's uniform width (the last row
+    repeated), as the backend calls it."""
+    from vllm.v1.attention.ops.flashmla import flash_mla_with_kvcache, get_mla_metadata
+
+    qsl, seq_lens, width = case["query_start_loc"], case["seq_lens"], case["max_query_len"]
+    q_lens = (qsl[1:] - qsl[:-1]).long()
+    cols = torch.arange(width, device="cuda")
+    rows = (qsl[:-1, None].long() + torch.minimum(cols[None, :], (q_lens - 1).clamp(min=0)[:, None])).flatten()
+    tokens, heads = case["q_nope"].shape[:2]
+    sched = get_mla_metadata()[0]
+
+    def context_pass() -> tuple[torch.Tensor, torch.Tensor]:
+        q = torch.cat([case["q_nope"], case["q_pe"]], -1)[rows.clamp(max=tokens - 1)]
+        return flash_mla_with_kvcache(
+            q=q.view(len(q_lens), width, heads, 576), k_cache=case["kv_cache"].unsqueeze(-2),
+            block_table=case["block_table"], cache_seqlens=(seq_lens - q_lens.int()).int(), head_dim_v=512,
+            tile_scheduler_metadata=sched, softmax_scale=case["softmax_scale"], causal=False,
+        )  # fmt: skip
+
+    return context_pass
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", [8, 64, 128])
 def test_cuda_flashmla_context_plus_tail_matches_reference(heads: int) -> None:
-    """The backend's Hopper decode: vLLM's FlashMLA over the context (no mask, rows padded to a uniform width),
-    then the tail merged in; against the fp32 reference of the whole verify."""
-    from vllm.v1.attention.ops.flashmla import flash_mla_with_kvcache, get_mla_metadata, is_flashmla_dense_supported
+    """The backend's Hopper decode: vLLM's FlashMLA over the context (no mask, rows padded to a uniform width) while
+    the tail runs on a second stream, then the merge; eager and replayed from a CUDA graph (fork and join captured),
+    against the fp32 reference of the whole verify."""
+    from vllm.v1.attention.ops.flashmla import is_flashmla_dense_supported
 
     from vllm_ddtree.mla_reference import mla_tree_verify_ref
-    from vllm_ddtree.mla_tree_tail import mla_tree_tail
+    from vllm_ddtree.mla_tree_tail import split_verify
 
     if not is_flashmla_dense_supported()[0]:
         pytest.skip("FlashMLA dense needs Hopper")
+    side = torch.cuda.Stream()
     for seed in range(4):
         case = random_case(seed, "cuda", heads, page=64)
-        qsl, seq_lens, width = case["query_start_loc"], case["seq_lens"], case["max_query_len"]
-        q_lens = (qsl[1:] - qsl[:-1]).long()
-        cols = torch.arange(width, device="cuda")
-        rows = (qsl[:-1, None].long() + torch.minimum(cols[None, :], (q_lens - 1).clamp(min=0)[:, None])).flatten()
         tokens = case["q_nope"].shape[0]
-        q = torch.cat([case["q_nope"], case["q_pe"]], -1)[rows.clamp(max=tokens - 1)]
-        q = q.view(len(q_lens), width, heads, 576)
-        context_out, context_lse = flash_mla_with_kvcache(
-            q=q, k_cache=case["kv_cache"].unsqueeze(-2), block_table=case["block_table"],
-            cache_seqlens=(seq_lens - q_lens.int()).int(), head_dim_v=512,
-            tile_scheduler_metadata=get_mla_metadata()[0], softmax_scale=case["softmax_scale"], causal=False,
-        )  # fmt: skip
         out = torch.full((tokens, heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
         lse = torch.full((tokens, heads), float("nan"), device="cuda")
-        mla_tree_tail(case["q_nope"], case["q_pe"], case["kv_cache"], case["block_table"], seq_lens, qsl,
-                      case["tree_bits"], case["softmax_scale"], out, lse, width, context_out, context_lse)
+        args = (flashmla_context_pass(case), case["q_nope"], case["q_pe"], case["kv_cache"], case["block_table"],
+                case["seq_lens"], case["query_start_loc"], case["tree_bits"], case["softmax_scale"], out, lse,
+                case["max_query_len"], side)  # fmt: skip
+        split_verify(*args)
+        torch.cuda.synchronize()
+        eager = out.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            split_verify(*args)
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
         cpu = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in case.items()}
         want, want_lse = mla_tree_verify_ref(cpu["q_nope"], cpu["q_pe"], cpu["kv_cache"], cpu["block_table"],
                                              cpu["seq_lens"], cpu["query_start_loc"], cpu["tree_bits"],

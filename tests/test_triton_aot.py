@@ -81,21 +81,33 @@ def test_draft_topk_kernels_compile(arch: int, k: int, logits: str) -> None:
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("heads", [8, 64, 128])
-@pytest.mark.parametrize(("has_prefix", "v_split"), [(True, 1), (True, 4), (True, 8), (False, 1)])
+@pytest.mark.parametrize("v_split", [1, 4, 8])
 @pytest.mark.parametrize("keys", [16, 64])
-def test_mla_tree_tail_kernel_compiles(arch: int, heads: int, has_prefix: bool, v_split: int, keys: int) -> None:
+def test_mla_tree_tail_kernel_compiles(arch: int, heads: int, v_split: int, keys: int) -> None:
     from vllm_ddtree.mla_tree_tail import BLOCK_M, CHUNK, NUM_WARPS, _mla_tree_tail_kernel
 
     pointers = {"q_nope_ptr": "*bf16", "q_pe_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "*i32", "seq_lens_ptr": "*i32",
-                "qsl_ptr": "*i32", "bits_ptr": "*i64", "prefix_out_ptr": "*bf16", "prefix_lse_ptr": "*fp32",
-                "out_ptr": "*bf16", "lse_ptr": "*fp32", "qk_scale": "fp32"}  # fmt: skip
-    strides = ["s_qn_t", "s_qn_h", "s_qp_t", "s_qp_h", "s_blk", "s_tok", "s_bt", "s_po_b", "s_po_q", "s_po_h",
-               "s_pl_b", "s_pl_h", "s_pl_q", "s_o_t", "s_o_h", "s_l_t"]  # fmt: skip
+                "qsl_ptr": "*i32", "bits_ptr": "*i64", "out_ptr": "*bf16", "lse_ptr": "*fp32", "qk_scale": "fp32"}
+    strides = ["s_qn_t", "s_qn_h", "s_qp_t", "s_qp_h", "s_blk", "s_tok", "s_bt", "s_o_t", "s_o_h", "s_l_t"]
     signature = {**pointers, **dict.fromkeys(strides, "i32")}
     constexprs = {"NUM_HEADS": heads, "PAGE": 64, "BLOCK_M": BLOCK_M, "KEYS": keys, "CHUNK": CHUNK, "V_SPLIT": v_split,
-                  "HAS_PREFIX": has_prefix, "F32_DOT": False}  # fmt: skip
+                  "F32_DOT": False}  # fmt: skip
     kernel = _compile(_mla_tree_tail_kernel, signature, constexprs, arch, NUM_WARPS)
-    _check(kernel, f"mla tail H{heads} keys {keys} prefix {has_prefix} V/{v_split} sm_{arch}")
+    _check(kernel, f"mla tail H{heads} keys {keys} V/{v_split} sm_{arch}")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("heads", [8, 64, 128])
+def test_mla_context_merge_kernel_compiles(arch: int, heads: int) -> None:
+    from vllm_ddtree.mla_tree_tail import MERGE_ROWS, MERGE_WARPS, _merge_context_kernel
+
+    pointers = {"context_out_ptr": "*bf16", "context_lse_ptr": "*fp32", "tree_out_ptr": "*bf16",
+                "tree_lse_ptr": "*fp32", "qsl_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32"}
+    strides = ["s_co_b", "s_co_q", "s_co_h", "s_cl_b", "s_cl_h", "s_cl_q", "s_to_t", "s_to_h", "s_tl_t", "s_o_t",
+               "s_o_h", "s_l_t"]  # fmt: skip
+    signature = {**pointers, **dict.fromkeys(strides, "i32")}
+    kernel = _compile(_merge_context_kernel, signature, {"NUM_HEADS": heads, "ROWS": MERGE_ROWS}, arch, MERGE_WARPS)
+    _check(kernel, f"mla merge H{heads} sm_{arch}")
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -3,10 +3,10 @@
 vLLM's MLA common code keeps prefill (vLLM's MLA prefill path) and absorbs the decode queries; this backend's decode
 is ``ddtree::mla_tree_verify``, which reads each request's latent cache once for all its tree rows and heads and
 applies the per-token ancestor words. On Hopper with a bf16 cache in 64-token pages, where vLLM ships FlashMLA, the
-decode is split instead: FlashMLA attends each row's context (every key before the request's tree, no mask) and
-``mla_tree_tail`` the tree keys, merged by log-sum-exp — except for launches of few rows a request (plain decode and
-tiny trees at few heads), which our decode kernel reads faster. ``DDTREE_MLA_CONTEXT`` overrides: ``flashmla`` splits
-every launch, ``ddtree`` keeps our kernel for all.
+decode is split instead: FlashMLA attends each row's context (every key before the request's tree, no mask) while
+``mla_tree_tail`` attends the tree keys on a second stream, merged by log-sum-exp (``split_verify``) — except for
+launches of few rows a request (plain decode and tiny trees at few heads), which our decode kernel reads faster.
+``DDTREE_MLA_CONTEXT`` overrides: ``flashmla`` splits every launch, ``ddtree`` keeps our kernel for all.
 Rows with up to 64 tokens take the decode path (``QueryLenSupport.VARLEN``, reorder threshold 64): tree rows get
 their tree words from the runner's ``prepare_attn`` hook, every other short row is causal. Without a DDTree runner
 in the process the builder writes causal words itself, so the backend is also a correct plain MLA decode backend.
@@ -176,6 +176,7 @@ class DDTreeMLAImpl(MLACommonImpl[DDTreeMLAMetadata]):
     """Absorbed-MLA decode on ``ddtree::mla_tree_verify``; everything else is vLLM's MLA common implementation."""
 
     can_return_lse_for_decode: bool = True
+    _tail_streams: ClassVar[dict[int, torch.cuda.Stream]] = {}
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -211,21 +212,34 @@ class DDTreeMLAImpl(MLACommonImpl[DDTreeMLAMetadata]):
     def _flashmla_context_and_tail(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
                                    decode: DDTreeMLADecodeMetadata, bits: torch.Tensor, out: torch.Tensor,
                                    lse: torch.Tensor) -> None:
-        """FlashMLA over each row's context keys (no mask), then the tree tail merged in (``mla_tree_tail``)."""
+        """FlashMLA over each row's context keys (no mask) while the tree tail runs on a second stream, then their
+        log-sum-exp merge (``split_verify``)."""
         from vllm.v1.attention.ops.flashmla import flash_mla_with_kvcache
 
-        from vllm_ddtree.mla_tree_tail import mla_tree_tail
+        from vllm_ddtree.mla_tree_tail import split_verify
 
         num_reqs, width, num_heads = decode.seq_lens.shape[0], decode.max_query_len, q_nope.shape[1]
-        q = torch.cat([q_nope, q_pe], dim=-1)
-        q = (q if decode.padded_rows is None else q[decode.padded_rows]).view(num_reqs, width, num_heads, -1)
-        context_out, context_lse = flash_mla_with_kvcache(
-            q=q, k_cache=kv_cache.unsqueeze(-2), block_table=decode.block_table, cache_seqlens=decode.context_lens,
-            head_dim_v=KV_LORA_RANK, tile_scheduler_metadata=decode.flashmla_sched, softmax_scale=self.scale,
-            causal=False,
-        )  # fmt: skip
-        mla_tree_tail(q_nope, q_pe, kv_cache, decode.block_table, decode.seq_lens, decode.query_start_loc, bits,
-                      self.scale, out, lse, width, context_out, context_lse)  # fmt: skip
+
+        def context_pass() -> tuple[torch.Tensor, torch.Tensor]:
+            q = torch.cat([q_nope, q_pe], dim=-1)
+            q = (q if decode.padded_rows is None else q[decode.padded_rows]).view(num_reqs, width, num_heads, -1)
+            return flash_mla_with_kvcache(
+                q=q, k_cache=kv_cache.unsqueeze(-2), block_table=decode.block_table,
+                cache_seqlens=decode.context_lens, head_dim_v=KV_LORA_RANK,
+                tile_scheduler_metadata=decode.flashmla_sched, softmax_scale=self.scale, causal=False,
+            )  # fmt: skip
+
+        split_verify(context_pass, q_nope, q_pe, kv_cache, decode.block_table, decode.seq_lens,
+                     decode.query_start_loc, bits, self.scale, out, lse, width, self._tail_stream(q_nope.device))
+
+    def _tail_stream(self, device: torch.device) -> torch.cuda.Stream | None:
+        """The tree tail's stream, one per device for all layers (made on first use); None off CUDA."""
+        if device.type != "cuda":
+            return None
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in self._tail_streams:
+            self._tail_streams[index] = torch.cuda.Stream(index)
+        return self._tail_streams[index]
 
 
 class DDTreeMLABackend(MLACommonBackend):
