@@ -98,16 +98,11 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
   const int page_mask = (1 << p.page_log2) - 1;
 
   for (int pc = pc_begin; pc < pc_end; ++pc) {
-    const int b = sv.piece_req[pc];
-    const int q0 = p.qsl[b];
-    const int n = p.qsl[b + 1] - q0;
-    const int rows = n * p.H;
-    if (rt * kBM >= rows) continue;  // uniform across the CTA
-    const int L = p.seq_lens[b];
-    const int t0 = sv.piece_t0[pc], t1 = sv.piece_t1[pc];
-    const int slot = sv.piece_slot[pc];
-    const int tree_start = L - n;
-    const int* bt = p.block_table + (int64_t)b * p.bt_stride;
+    PlanPiece pz;
+    if (!read_plan_piece(p, sv, pc, rt * kBM, pz)) continue;  // uniform across the CTA
+    const int q0 = pz.q0, rows = pz.rows, L = pz.L, tree_start = pz.tree_start;
+    const int t0 = pz.t0, t1 = pz.t1, slot = pz.slot;
+    const int* bt = pz.bt;
 
     __syncthreads();  // previous piece is done with sQ / ring / red
 
