@@ -79,6 +79,7 @@ class ProbeReading(NamedTuple):
     busy: list[float]  # per step, seconds inside execute_model + sample_tokens
     verify: int  # FULL-graph replays of the verify step
     draft: int  # ... and of the drafter step
+    context_kv: int  # ... and of ddtree's drafter context K/V write (0 without ddtree on V2)
 
 
 def install_probes(worker: Any) -> None:
@@ -88,16 +89,20 @@ def install_probes(worker: Any) -> None:
     runner = worker.model_runner
     speculator = getattr(runner, "speculator", None)
     worker.ddtree_probes = (StepClock(runner), ReplayCounter(getattr(runner, "cudagraph_manager", None)),
-                            ReplayCounter(getattr(speculator, "query_cudagraph_manager", None)))  # fmt: skip
+                            ReplayCounter(getattr(speculator, "query_cudagraph_manager", None)),
+                            getattr(speculator, "context_kv_graphs", None), [0])  # fmt: skip
 
 
 def read_probes(worker: Any) -> ProbeReading:
     """Steps and graph replays since the last read, which resets them."""
-    clock, verify, draft = worker.ddtree_probes
-    read = ProbeReading(list(clock.starts), list(clock.busy), verify.count, draft.count)
+    clock, verify, draft, context_kv, context_kv_seen = worker.ddtree_probes
+    context_kv_total = context_kv.replays if context_kv is not None else 0
+    read = ProbeReading(list(clock.starts), list(clock.busy), verify.count, draft.count,
+                        context_kv_total - context_kv_seen[0])  # fmt: skip
     clock.starts.clear()
     clock.busy.clear()
     verify.count = draft.count = 0
+    context_kv_seen[0] = context_kv_total
     return read
 
 

@@ -118,3 +118,36 @@ def test_flash_attention_builders_plan_with_their_groups_geometry(monkeypatch: p
     context["drafter.5"] = Layer(16)
     FlashAttentionMetadataBuilder.__init__(builder, spec, ["drafter.4", "drafter.5"], config, torch.device("cpu"))
     assert (builder.num_heads_q, builder.num_heads_kv, builder.headdim) == (64, 8, 128)
+
+
+@pytest.mark.parametrize(("v2", "ddtree", "skipped"), [(True, True, True), (True, False, False), (False, True, False)])
+def test_v2_ddtree_schedulers_skip_the_common_prefix_scan(v2: bool, ddtree: bool, skipped: bool,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Model Runner V2 never reads the scheduler's count of blocks common to all running requests (V1's cascade
+    attention input), which costs a Python loop over a request's blocks every step; a ddtree scheduler on V2 reports
+    zeros without the loop, every other scheduler keeps vLLM's count."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from vllm_ddtree.config import DDTreeConfig
+    from vllm_ddtree.patches import v2 as v2_seams
+
+    scanned: list[str] = []
+
+    def scan(request_id: str) -> list[int]:
+        scanned.append(request_id)
+        return [3, 3]
+
+    def built(self: object, *args: object, **kwargs: object) -> None:
+        spec = SimpleNamespace(ddtree=DDTreeConfig(budget=8, topk=4, max_depth=7) if ddtree else None)
+        self.use_v2_model_runner = v2
+        self.vllm_config = SimpleNamespace(speculative_config=spec)
+        self.kv_cache_config = SimpleNamespace(kv_cache_groups=[object(), object()])
+        self.kv_cache_manager = SimpleNamespace(get_num_common_prefix_blocks=scan)
+
+    monkeypatch.setattr(Scheduler, "_orig___init__", built, raising=False)
+    scheduler = object.__new__(Scheduler)
+    v2_seams._scheduler_init(scheduler)
+    counts = scheduler.kv_cache_manager.get_num_common_prefix_blocks("req-0")
+    assert (counts, scanned) == (([0, 0], []) if skipped else ([3, 3], ["req-0"]))

@@ -25,6 +25,7 @@ from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 from vllm_ddtree.accept import AcceptedPaths
 from vllm_ddtree.backends.tree_mask import TreeMaskBuffers, install_tree_masks
 from vllm_ddtree.config import DDTreeConfig, get_ddtree_config
+from vllm_ddtree.context_kv_graphs import ContextKVGraphs, install_context_kv_graphs
 from vllm_ddtree.draft_topk import topk_logprobs
 from vllm_ddtree.sampler import DDTreeRejectionSamplerV1
 from vllm_ddtree.tree import DraftTrees, build_trees
@@ -147,6 +148,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         install_tree_masks(TreeMaskBuffers(self.max_num_reqs, ddtree.budget + 1, device, self.max_num_tokens))
         # Set by the tree sampler for the step in flight, consumed by propose().
         self.pending_paths: AcceptedPaths | None = None
+        self.context_kv_graphs: ContextKVGraphs | None = None
 
     def _copy_request_inputs(self, num_reqs: int, idx_mapping: torch.Tensor, temperature: torch.Tensor,
                              seeds: torch.Tensor) -> None:
@@ -154,8 +156,11 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.idx_mapping[num_reqs:].fill_(-1)  # padded graph rows write the trash tree row
 
     def capture(self) -> None:
-        self.idx_mapping.fill_(-1)  # capture's dummy rows must not write live trees
+        """DFlash's drafter graphs (their dummy rows must not write live trees), then the context K/V write of
+        every decode size (``context_kv_graphs``)."""
+        self.idx_mapping.fill_(-1)
         super().capture()
+        self.context_kv_graphs = install_context_kv_graphs(self, self.ddtree.width)
 
     def _generate_draft(self, num_reqs: int, num_tokens_padded: int, attn_metadata: dict[str, Any] | None,
                         slot_mappings: dict[str, torch.Tensor] | None, num_tokens_across_dp: torch.Tensor | None,

@@ -1,0 +1,96 @@
+"""DFlash's context K/V write replayed from CUDA graphs (``vllm_ddtree.context_kv_graphs``): a replay writes what the
+eager write writes, the capture itself writes nothing, and every call it cannot serve runs the original."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_ddtree.context_kv_graphs import ContextKVGraphs, decode_context_sizes
+
+HIDDEN, HEAD, ROWS = 48, 16, 40
+
+
+class ToyDrafter:
+    """A stand-in for DFlash's write with its shape of work: a GEMM of the hidden rows, a position-dependent
+    rotation, one cache write per layer at the context slots (slot -1 writes nothing: it lands on a trash row)."""
+
+    def __init__(self, device: torch.device, layers: int = 2) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.weight = torch.randn(HIDDEN, layers * HEAD, generator=gen).to(device)
+        self.caches = [torch.full((ROWS + 1, HEAD), float("nan"), device=device) for _ in range(layers)]
+        self.calls = 0
+
+    def precompute(self, states: torch.Tensor, positions: torch.Tensor, slots: object) -> None:
+        self.calls += 1
+        kv = (states @ self.weight).view(states.shape[0], len(self.caches), HEAD)
+        kv = kv * torch.cos(positions.float())[:, None, None]
+        for i, cache in enumerate(self.caches):
+            layer_slots = slots[i] if isinstance(slots, list) else slots
+            if layer_slots is None:
+                continue
+            rows = torch.where(layer_slots >= 0, layer_slots, ROWS)
+            cache.index_copy_(0, rows, kv[:, i])
+
+
+def buffers(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return (torch.zeros(32, HIDDEN, device=device), torch.zeros(32, dtype=torch.int64, device=device),
+            torch.zeros(2, 32, dtype=torch.int64, device=device))  # fmt: skip
+
+
+def test_decode_context_sizes_are_whole_verify_widths_up_to_the_graph_limit() -> None:
+    assert decode_context_sizes(17, 8, 64) == [17, 34, 51]
+    assert decode_context_sizes(9, 2, 512) == [9, 18]
+    assert decode_context_sizes(65, 4, 64) == []
+
+
+def test_uncaptured_calls_run_the_original_write() -> None:
+    drafter = ToyDrafter(torch.device("cpu"))
+    states, positions, rows = buffers(torch.device("cpu"))
+    graphs = ContextKVGraphs(drafter.precompute, states, positions, rows, lambda n: rows[0][:n])
+    states[:3] = 1.0
+    rows[0, :3] = torch.tensor([5, -1, 7])
+    graphs(states[:3], positions[:3], rows[0][:3])
+    assert drafter.calls == 1 and graphs.replays == 0
+    assert torch.equal(drafter.caches[0][5], drafter.caches[0][7])
+    assert torch.isnan(drafter.caches[0][:5]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_replays_write_what_the_eager_write_writes(per_layer: bool) -> None:
+    device = torch.device("cuda")
+    drafter, reference = ToyDrafter(device), ToyDrafter(device)
+    states, positions, rows = buffers(device)
+    layer_groups = [1, 0]
+
+    def slots_for(n: int) -> object:
+        return [rows[g][:n] for g in layer_groups] if per_layer else rows[0][:n]
+
+    rows.fill_(3)  # stale slots: the capture must not write through them
+    graphs = ContextKVGraphs(drafter.precompute, states, positions, rows, slots_for)
+    graphs.capture([6, 3, 40, 0])
+    assert graphs.sizes == [3, 6]
+    assert all(torch.isnan(cache).all() for cache in drafter.caches), "the capture wrote into the cache"
+
+    gen = torch.Generator(device=device).manual_seed(1)
+    for step, n in enumerate([3, 6, 5, 3]):
+        states.copy_(torch.randn(states.shape, generator=gen, device=device))
+        positions.copy_(torch.randint(0, 1000, positions.shape, generator=gen, device=device))
+        perm = torch.randperm(ROWS, generator=gen, device=device)
+        rows[0].copy_(perm[:32])
+        rows[1].copy_(perm.flip(0)[:32])
+        rows[:, 1] = -1  # a padded row writes nothing
+        calls = drafter.calls
+        graphs(states[:n], positions[:n], slots_for(n))
+        reference.precompute(states[:n], positions[:n], slots_for(n))
+        assert drafter.calls == calls + (n == 5), f"step {step}: size {n} should {'not ' * (n != 5)}run eagerly"
+        for got, want in zip(drafter.caches, reference.caches, strict=True):
+            torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
+    assert graphs.replays == 3
+
+    # Tensors other than the captured buffers (a copy, another slot row) run eagerly.
+    calls = drafter.calls
+    graphs(states[:3].clone(), positions[:3], slots_for(3))
+    graphs(states[:3], positions[:3], [rows[0][:3], rows[0][:3]] if per_layer else rows[1][:3])
+    assert drafter.calls == calls + 2 and graphs.replays == 3

@@ -1,0 +1,112 @@
+"""DFlash's context K/V write, replayed from CUDA graphs on Model Runner V2.
+
+Before every drafter pass DFlash writes the drafter's K/V of the step's target tokens (their hidden rows: norm, one
+fused GEMM for all drafter layers, K norm, RoPE, one cache write per layer) — eagerly, because the token count
+varies between steps, so each step pays about ten launches and their Python. A DDTree decode step of r requests
+always has r × (budget + 1) target tokens, and DFlash hands them over in its persistent buffers (hidden rows,
+positions, context slots), so those sizes are captured once and replayed: at batch 1 the decode step is host-bound
+and this is host time it no longer spends. The write is row-wise, so a captured size serves any step of that many
+tokens; other sizes, and calls on other tensors (dummy runs, profiling), run eagerly as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from vllm.v1.attention.backends.utils import PAD_SLOT_ID
+
+Slots = torch.Tensor | list[torch.Tensor | None] | None
+
+
+def _views(slots: Slots) -> tuple[tuple[int, int], ...] | None:
+    """Where a context-slot argument points (address and length of each tensor), to recognise the captured one."""
+    if slots is None:
+        return None
+    tensors = [slots] if isinstance(slots, torch.Tensor) else list(slots)
+    if any(t is None for t in tensors):
+        return None
+    return tuple((t.data_ptr(), t.shape[0]) for t in tensors)
+
+
+class ContextKVGraphs:
+    """Callable in place of the drafter model's ``precompute_and_store_context_kv(states, positions, slots)``.
+
+    ``slots_for(n)`` gives the context-slot argument DFlash passes for ``n`` tokens (one tensor, or one per drafter
+    layer), views of ``slot_rows``; ``states`` and ``positions`` are the persistent buffers DFlash passes sliced to
+    ``n``. A captured size replays when a call brings exactly those views, else the original runs.
+    """
+
+    def __init__(self, precompute: Callable[..., None], states: torch.Tensor, positions: torch.Tensor,
+                 slot_rows: torch.Tensor, slots_for: Callable[[int], Slots]) -> None:
+        self.original = precompute
+        self._states = states
+        self._positions = positions
+        self._slot_rows = slot_rows
+        self._slots_for = slots_for
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.replays = 0
+
+    @property
+    def sizes(self) -> list[int]:
+        return sorted(self._graphs)
+
+    def capture(self, sizes: Iterable[int]) -> None:
+        """Capture the write for each token count (largest first, one memory pool). The slot rows are set to
+        ``PAD_SLOT_ID`` first, so the capture's own runs write nothing into the cache; DFlash rewrites the rows it
+        uses before every call."""
+        wanted = sorted({n for n in sizes if 0 < n <= self._states.shape[0]}, reverse=True)
+        if not wanted:
+            return
+        self._slot_rows.fill_(PAD_SLOT_ID)
+        pool = torch.cuda.graph_pool_handle()
+        for n in wanted:
+            args = (self._states[:n], self._positions[:n], self._slots_for(n))
+            self.original(*args)  # warm-up outside the capture (library handles, kernel selection)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.original(*args)
+            self._graphs[n] = graph
+        torch.cuda.synchronize()
+
+    def __call__(self, states: torch.Tensor, positions: torch.Tensor, slots: Slots = None) -> None:
+        n = states.shape[0]
+        graph = self._graphs.get(n)
+        if (graph is not None and states.data_ptr() == self._states.data_ptr()
+                and positions.data_ptr() == self._positions.data_ptr() and positions.shape[0] == n
+                and (views := _views(slots)) is not None and views == _views(self._slots_for(n))):  # fmt: skip
+            graph.replay()
+            self.replays += 1
+            return
+        self.original(states, positions, slots)
+
+
+def decode_context_sizes(width: int, max_num_reqs: int, max_tokens: int) -> list[int]:
+    """Target token counts of decode steps: ``r * width`` for ``r`` requests, up to ``max_tokens``."""
+    return [r * width for r in range(1, max_num_reqs + 1) if r * width <= max_tokens]
+
+
+def install_context_kv_graphs(speculator: Any, width: int) -> ContextKVGraphs | None:
+    """Capture the DFlash speculator's context K/V write for its decode sizes and put the graphs in its model's
+    place (instance attribute, nothing in vLLM's classes changes; a second capture replaces the first, whose
+    graphs would hold stale cache addresses). None when the drafter has no such write."""
+    model = speculator.model
+    precompute = getattr(model, "precompute_and_store_context_kv", None)
+    if isinstance(precompute, ContextKVGraphs):
+        precompute = precompute.original
+    if precompute is None:
+        return None
+    rows = speculator._context_slot_mappings
+    layer_groups = speculator._layer_group_idx
+
+    def slots_for(n: int) -> Slots:
+        if layer_groups is not None:
+            return [rows[g][:n] for g in layer_groups]
+        return rows[0][:n]
+
+    graphs = ContextKVGraphs(precompute, speculator.hidden_states, speculator.context_positions, rows, slots_for)
+    max_tokens = speculator.vllm_config.compilation_config.max_cudagraph_capture_size or speculator.max_num_tokens
+    graphs.capture(decode_context_sizes(width, speculator.max_num_reqs, min(max_tokens, speculator.max_num_tokens)))
+    model.precompute_and_store_context_kv = graphs
+    return graphs
