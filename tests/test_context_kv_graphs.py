@@ -71,7 +71,7 @@ def test_replays_write_what_the_eager_write_writes(per_layer: bool) -> None:
     graphs = ContextKVGraphs(drafter.precompute, states, positions, rows, slots_for)
     graphs.capture([6, 3, 40, 0])
     assert graphs.sizes == [3, 6]
-    assert all(torch.isnan(cache).all() for cache in drafter.caches), "the capture wrote into the cache"
+    assert all(torch.isnan(cache[:ROWS]).all() for cache in drafter.caches), "the capture wrote into the cache"
 
     gen = torch.Generator(device=device).manual_seed(1)
     for step, n in enumerate([3, 6, 5, 3]):
