@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_ddtree.context_kv_graphs import ContextKVGraphs, decode_context_sizes
+from vllm_ddtree.context_kv_graphs import ContextKVGraphs, decode_context_sizes, install_context_kv_graphs
 
 HIDDEN, HEAD, ROWS = 48, 16, 40
 
@@ -54,6 +54,23 @@ def test_uncaptured_calls_run_the_original_write() -> None:
     assert drafter.calls == 1 and graphs.replays == 0
     assert torch.equal(drafter.caches[0][5], drafter.caches[0][7])
     assert torch.isnan(drafter.caches[0][:5]).all()
+
+
+def test_installing_twice_wraps_the_original_write_once() -> None:
+    """The graphs take the write's place on the model instance; a second capture (vLLM re-captures after a KV-cache
+    re-init) wraps the original again, never the first graphs, whose cache addresses would be stale."""
+    drafter = ToyDrafter(torch.device("cpu"))
+    model = type("Model", (), {"precompute_and_store_context_kv": lambda self, *a: drafter.precompute(*a)})()
+    states, positions, rows = buffers(torch.device("cpu"))
+    first = install_context_kv_graphs(model, states, positions, rows, None, [])
+    second = install_context_kv_graphs(model, states, positions, rows, [0, 1], [])
+    assert model.precompute_and_store_context_kv is second and isinstance(second, ContextKVGraphs)
+    assert first is not None and second.original == first.original and not isinstance(second.original, ContextKVGraphs)
+    rows[0, :2] = torch.tensor([4, 9])
+    states[:2] = 2.0
+    model.precompute_and_store_context_kv(states[:2], positions[:2], [rows[0][:2], rows[0][:2]])
+    assert drafter.calls == 1 and not torch.isnan(drafter.caches[1][9]).any()
+    assert install_context_kv_graphs(object(), states, positions, rows, None, [3]) is None
 
 
 @pytest.mark.gpu

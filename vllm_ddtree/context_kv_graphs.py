@@ -87,26 +87,25 @@ def decode_context_sizes(width: int, max_num_reqs: int, max_tokens: int) -> list
     return [r * width for r in range(1, max_num_reqs + 1) if r * width <= max_tokens]
 
 
-def install_context_kv_graphs(speculator: Any, width: int) -> ContextKVGraphs | None:
-    """Capture the DFlash speculator's context K/V write for its decode sizes and put the graphs in its model's
-    place (instance attribute, nothing in vLLM's classes changes; a second capture replaces the first, whose
-    graphs would hold stale cache addresses). None when the drafter has no such write."""
-    model = speculator.model
+def install_context_kv_graphs(model: Any, states: torch.Tensor, positions: torch.Tensor, slot_rows: torch.Tensor,
+                              layer_groups: list[int] | None, sizes: Iterable[int]) -> ContextKVGraphs | None:
+    """Capture ``model``'s context K/V write for ``sizes`` on DFlash's persistent buffers (hidden rows, positions,
+    one context-slot row per KV-cache group; ``layer_groups`` maps each drafter layer to its row, None when all
+    share row 0) and put the graphs in the write's place (an instance attribute: nothing in vLLM's classes changes;
+    a second capture replaces the first, whose graphs would hold stale cache addresses). None when the drafter has
+    no such write."""
     precompute = getattr(model, "precompute_and_store_context_kv", None)
     if isinstance(precompute, ContextKVGraphs):
         precompute = precompute.original
     if precompute is None:
         return None
-    rows = speculator._context_slot_mappings
-    layer_groups = speculator._layer_group_idx
 
     def slots_for(n: int) -> Slots:
         if layer_groups is not None:
-            return [rows[g][:n] for g in layer_groups]
-        return rows[0][:n]
+            return [slot_rows[g][:n] for g in layer_groups]
+        return slot_rows[0][:n]
 
-    graphs = ContextKVGraphs(precompute, speculator.hidden_states, speculator.context_positions, rows, slots_for)
-    max_tokens = speculator.vllm_config.compilation_config.max_cudagraph_capture_size or speculator.max_num_tokens
-    graphs.capture(decode_context_sizes(width, speculator.max_num_reqs, min(max_tokens, speculator.max_num_tokens)))
+    graphs = ContextKVGraphs(precompute, states, positions, slot_rows, slots_for)
+    graphs.capture(sizes)
     model.precompute_and_store_context_kv = graphs
     return graphs

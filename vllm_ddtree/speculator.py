@@ -25,7 +25,7 @@ from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 from vllm_ddtree.accept import AcceptedPaths
 from vllm_ddtree.backends.tree_mask import TreeMaskBuffers, install_tree_masks
 from vllm_ddtree.config import DDTreeConfig, get_ddtree_config
-from vllm_ddtree.context_kv_graphs import ContextKVGraphs, install_context_kv_graphs
+from vllm_ddtree.context_kv_graphs import ContextKVGraphs, decode_context_sizes, install_context_kv_graphs
 from vllm_ddtree.draft_topk import topk_logprobs
 from vllm_ddtree.sampler import DDTreeRejectionSamplerV1
 from vllm_ddtree.tree import DraftTrees, build_trees
@@ -160,7 +160,12 @@ class DDTreeSpeculator(DFlashSpeculator):
         every decode size (``context_kv_graphs``)."""
         self.idx_mapping.fill_(-1)
         super().capture()
-        self.context_kv_graphs = install_context_kv_graphs(self, self.ddtree.width)
+        graph_tokens = self.vllm_config.compilation_config.max_cudagraph_capture_size or self.max_num_tokens
+        sizes = decode_context_sizes(self.ddtree.width, self.max_num_reqs, min(graph_tokens, self.max_num_tokens))
+        self.context_kv_graphs = install_context_kv_graphs(
+            self.model, self.hidden_states, self.context_positions, self._context_slot_mappings,
+            self._layer_group_idx, sizes,
+        )  # fmt: skip
 
     def _generate_draft(self, num_reqs: int, num_tokens_padded: int, attn_metadata: dict[str, Any] | None,
                         slot_mappings: dict[str, torch.Tensor] | None, num_tokens_across_dp: torch.Tensor | None,
