@@ -14,6 +14,7 @@
 #   tests        the gpu-marked tests: end to end + top-k | kernels and backends
 #   profile      Kimi-K2-attention MLA, budgets 8 16, 32k, batch 1: a torch.profiler table per config (V2 chain, ddtree)
 #   offsets      MLA budgets 16 8, batch 1: V2 chain + ddtree paired and pinned, 15 alternating repeats (one lane)
+#   offsets-wide the same at budgets 32 63 (their batch-1 cells have only the one-round table so far)
 #   v1-plain     MLA budgets 16 32 63, batch 1: vLLM's chain on V1 + TRITON_MLA as shipped (plugins off) and ddtree,
 #                paired and pinned, 9 alternating repeats
 #   jobs:FILE    the jobs listed in FILE, one per line: LANE NAME [K=V ...] ARGS... (runs python3 ARGS with those
@@ -55,14 +56,17 @@ jobs_of() {
     offsets)
       echo "0 offsets bench/step_time.py --target kimi-mla --configs dflash ddtree --budgets 16 8 --batches 1" \
            "--paired --pin --repeats 15 --out $r/offsets.json" ;;
+    offsets-wide)
+      echo "0 offsets_wide bench/step_time.py --target kimi-mla --configs dflash ddtree --budgets 32 63 --batches 1" \
+           "--paired --pin --repeats 15 --out $r/offsets_wide.json" ;;
     v1-plain)
       echo "0 step_v1_plain bench/step_time.py --target kimi-mla --configs dflash-v1-plain ddtree --budgets 16 32 63" \
            "--batches 1 --paired --pin --pair-chains dflash-v1-plain --repeats 9 --out $r/step_v1_plain_b1.json" ;;
     jobs:*)
       [ -f "${1#jobs:}" ] || { echo "no job file '${1#jobs:}'" >&2; return 2; }
       grep -v '^\s*\(#\|$\)' "${1#jobs:}" | sed "s|\$RESULTS|$r|g" ;;
-    *) echo "unknown stage '$1': step-a, step-b, acceptance, ops, tests, profile, offsets, v1-plain or" \
-            "jobs:FILE" >&2; return 2 ;;
+    *) echo "unknown stage '$1': step-a, step-b, acceptance, ops, tests, profile, offsets, offsets-wide, v1-plain" \
+            "or jobs:FILE" >&2; return 2 ;;
   esac
 }
 
