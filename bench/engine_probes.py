@@ -90,19 +90,19 @@ def install_probes(worker: Any) -> None:
     speculator = getattr(runner, "speculator", None)
     worker.ddtree_probes = (StepClock(runner), ReplayCounter(getattr(runner, "cudagraph_manager", None)),
                             ReplayCounter(getattr(speculator, "query_cudagraph_manager", None)),
-                            getattr(speculator, "context_kv_graphs", None), [0])  # fmt: skip
+                            getattr(speculator, "context_kv_graphs", None))  # fmt: skip
 
 
 def read_probes(worker: Any) -> ProbeReading:
     """Steps and graph replays since the last read, which resets them."""
-    clock, verify, draft, context_kv, context_kv_seen = worker.ddtree_probes
-    context_kv_total = context_kv.replays if context_kv is not None else 0
+    clock, verify, draft, context_kv = worker.ddtree_probes
     read = ProbeReading(list(clock.starts), list(clock.busy), verify.count, draft.count,
-                        context_kv_total - context_kv_seen[0])  # fmt: skip
+                        context_kv.replays if context_kv is not None else 0)  # fmt: skip
     clock.starts.clear()
     clock.busy.clear()
     verify.count = draft.count = 0
-    context_kv_seen[0] = context_kv_total
+    if context_kv is not None:
+        context_kv.replays = 0
     return read
 
 

@@ -161,7 +161,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.idx_mapping.fill_(-1)
         super().capture()
         graph_tokens = self.vllm_config.compilation_config.max_cudagraph_capture_size or self.max_num_tokens
-        sizes = decode_context_sizes(self.ddtree.width, self.max_num_reqs, min(graph_tokens, self.max_num_tokens))
+        sizes = decode_context_sizes(self.ddtree.width, self.max_num_reqs, graph_tokens)  # capture drops n > buffers
         self.context_kv_graphs = install_context_kv_graphs(
             self.model, self.hidden_states, self.context_positions, self._context_slot_mappings,
             self._layer_group_idx, sizes,
