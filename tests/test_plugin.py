@@ -151,3 +151,41 @@ def test_v2_ddtree_schedulers_skip_the_common_prefix_scan(v2: bool, ddtree: bool
     v2_seams._scheduler_init(scheduler)
     counts = scheduler.kv_cache_manager.get_num_common_prefix_blocks("req-0")
     assert (counts, scanned) == (([0, 0], []) if skipped else ([3, 3], ["req-0"]))
+
+
+def test_v2_target_step_builds_metadata_for_target_groups_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM builds the target step's attention metadata for every KV-cache group, the drafter's too, which DFlash
+    plans again for its own pass; a ddtree runner's target step builds it for the attention groups holding target
+    layers only (one entry per KV-cache group kept), and any other call (another runner's groups, no ddtree) is
+    passed through as is."""
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.gpu.model_states.default import DefaultModelState
+
+    from vllm_ddtree.patches import v2 as v2_seams
+
+    def group(*names: str) -> SimpleNamespace:
+        return SimpleNamespace(layer_names=list(names))
+
+    target_mla, drafter_fa = group("model.layers.0.attn", "model.layers.1.attn"), group("draft.0", "draft.1")
+    mixed_custom, mixed_fa = group("model.layers.0.attn", "draft.0"), group("draft.1")
+    runner_groups = [[target_mla], [drafter_fa], [mixed_custom, mixed_fa]]
+    kept = v2_seams.target_attn_groups(runner_groups, {"draft.0", "draft.1"})
+    assert kept == [[target_mla], [], [mixed_custom]]
+
+    seen: list[object] = []
+
+    def built(self: object, input_batch: object, cudagraph_mode: object, block_tables: object, slot_mappings: object,
+              attn_groups: object, kv_cache_config: object, for_capture: bool = False) -> tuple[object, bool]:
+        seen.append(attn_groups)
+        return attn_groups, for_capture
+
+    monkeypatch.setattr(DefaultModelState, "_orig_prepare_attn", built, raising=False)
+    state = SimpleNamespace(ddtree_target_attn_groups=(runner_groups, kept))
+    assert v2_seams._model_state_prepare_attn(state, None, None, None, None, runner_groups, None, True) == (kept, True)
+    other = [[target_mla], [drafter_fa]]
+    assert v2_seams._model_state_prepare_attn(state, None, None, None, None, other, None) == (other, False)
+    plain = SimpleNamespace()
+    assert v2_seams._model_state_prepare_attn(plain, None, None, None, None, runner_groups, None) == (runner_groups,
+                                                                                                      False)
+    assert seen == [kept, other, runner_groups]

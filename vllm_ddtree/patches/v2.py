@@ -4,7 +4,11 @@
   same process (notebooks, tests) never reads that engine's stale words; a ddtree speculator installs its own.
 * ``model_runner.init_speculator`` (the module global the runner calls): ``DDTreeSpeculator`` instead of DFlash's.
 * ``DefaultModelState.custom_sampler``: vLLM's own hook for the rejection sampler; returns ``DDTreeRejectionSampler``.
-* ``GPUModelRunner.initialize_kv_cache``: afterwards, bind the tree sampler to the block tables and KV caches.
+* ``GPUModelRunner.initialize_kv_cache``: afterwards, bind the tree sampler to the block tables and KV caches, and
+  note the target's attention groups without the drafter's.
+* ``DefaultModelState.prepare_attn``: the target step's metadata is built for the target's attention groups only:
+  vLLM builds it for every group, the drafter's too, which DFlash plans again for its own pass (FlashAttention's
+  scheduler metadata twice a step, host time in a batch-1 step that is host-bound).
 * ``GPUModelRunner.prepare_attn``: after slot mappings were computed from linear positions, write the depth
   positions of tree rows in place and the per-token tree bits the tree-attention backend reads.
 * ``Scheduler.__init__``: with Model Runner V2 the scheduler's per-step scan for blocks common to all running
@@ -60,7 +64,28 @@ def _initialize_kv_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
     result = GPUModelRunner._orig_initialize_kv_cache(self, *args, **kwargs)
     if isinstance(getattr(self, "rejection_sampler", None), DDTreeRejectionSampler):
         self.rejection_sampler.attach(self)
+        draft_layers = set(self.speculator.draft_attn_layer_names)
+        self.model_state.ddtree_target_attn_groups = (self.attn_groups,
+                                                      target_attn_groups(self.attn_groups, draft_layers))
     return result
+
+
+def target_attn_groups(attn_groups: list[list[Any]], draft_layers: set[str]) -> list[list[Any]]:
+    """Per KV-cache group, the attention groups that hold a target layer (a group of drafter layers only is left
+    out; the list keeps one entry per KV-cache group, as ``build_attn_metadata`` indexes it)."""
+    return [[group for group in groups if not set(group.layer_names) <= draft_layers] for groups in attn_groups]
+
+
+def _model_state_prepare_attn(self: Any, input_batch: Any, cudagraph_mode: Any, block_tables: Any,
+                              slot_mappings: Any, attn_groups: Any, kv_cache_config: Any,
+                              for_capture: bool = False) -> Any:
+    from vllm.v1.worker.gpu.model_states.default import DefaultModelState
+
+    runner_groups, target_groups = getattr(self, "ddtree_target_attn_groups", (None, None))
+    if attn_groups is runner_groups:
+        attn_groups = target_groups
+    return DefaultModelState._orig_prepare_attn(self, input_batch, cudagraph_mode, block_tables, slot_mappings,
+                                                attn_groups, kv_cache_config, for_capture)
 
 
 def _prepare_attn(self: Any, input_batch: Any) -> Any:
@@ -114,6 +139,7 @@ def apply() -> None:
     patch_attr(DefaultModelState, "custom_sampler", _custom_sampler)
     patch_attr(model_runner.GPUModelRunner, "initialize_kv_cache", _initialize_kv_cache)
     patch_attr(model_runner.GPUModelRunner, "prepare_attn", _prepare_attn)
+    patch_attr(DefaultModelState, "prepare_attn", _model_state_prepare_attn)
     from vllm.v1.core.sched.scheduler import Scheduler
 
     patch_attr(Scheduler, "__init__", _scheduler_init)
