@@ -8,7 +8,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 LOGS="${OUT:-/tmp/ddtree-gpu}"
 mkdir -p "$LOGS"
 export VLLM_USE_FLASHINFER_SAMPLER="${VLLM_USE_FLASHINFER_SAMPLER:-0}" HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}"
-SITE="$(python3 -c 'import vllm, pathlib; print(pathlib.Path(vllm.__file__).parents[1])')"
+SITE="$(python3 -c 'import vllm, pathlib; print(pathlib.Path(vllm.__file__).parents[1])' 2> /dev/null)" \
+  || { echo "vLLM is not importable here: install it first (every part of the bundle, then PYTHONPATH)" >&2; exit 1; }
 python3 -m pip install -q --no-deps --no-build-isolation --target "$SITE" --upgrade "$ROOT" > "$LOGS/pip.log" 2>&1 \
   || { tail -5 "$LOGS/pip.log"; exit 1; }
 [ "${1:-}" = "--install-only" ] && exit 0
