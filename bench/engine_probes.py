@@ -80,6 +80,7 @@ class ProbeReading(NamedTuple):
     verify: int  # FULL-graph replays of the verify step
     draft: int  # ... and of the drafter step
     context_kv: int  # ... and of ddtree's drafter context K/V write (0 without ddtree on V2)
+    combine: int  # ... and of ddtree's combine of the target's auxiliary hidden states (0 likewise)
 
 
 def install_probes(worker: Any) -> None:
@@ -90,19 +91,21 @@ def install_probes(worker: Any) -> None:
     speculator = getattr(runner, "speculator", None)
     worker.ddtree_probes = (StepClock(runner), ReplayCounter(getattr(runner, "cudagraph_manager", None)),
                             ReplayCounter(getattr(speculator, "query_cudagraph_manager", None)),
-                            getattr(speculator, "context_kv_graphs", None))  # fmt: skip
+                            getattr(speculator, "context_kv_graphs", None),
+                            getattr(speculator, "combine_graphs", None))  # fmt: skip
 
 
 def read_probes(worker: Any) -> ProbeReading:
     """Steps and graph replays since the last read, which resets them."""
-    clock, verify, draft, context_kv = worker.ddtree_probes
+    clock, verify, draft, *graphs = worker.ddtree_probes
     read = ProbeReading(list(clock.starts), list(clock.busy), verify.count, draft.count,
-                        context_kv.replays if context_kv is not None else 0)  # fmt: skip
+                        *(g.replays if g is not None else 0 for g in graphs))  # fmt: skip
     clock.starts.clear()
     clock.busy.clear()
     verify.count = draft.count = 0
-    if context_kv is not None:
-        context_kv.replays = 0
+    for g in graphs:
+        if g is not None:
+            g.replays = 0
     return read
 
 

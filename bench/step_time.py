@@ -153,7 +153,7 @@ class EngineBench:
         self.on_worker(read_probes)
         self.samples: list[float] = []
         self.busy: list[float] = []
-        self.counts = [0, 0, 0, 0]  # steps, verify replays, drafter replays, context K/V write replays
+        self.counts = [0, 0, 0, 0, 0]  # steps, verify, drafter, context K/V write and combine replays
 
     def repeat(self) -> None:
         self.llm.generate(self.prompts, self.params, use_tqdm=False)
@@ -162,7 +162,8 @@ class EngineBench:
         self.samples.append(statistics.median([b - a for a, b in pairwise(probes.starts)][steady]))
         self.busy.append(statistics.median(probes.busy[steady]))
         self.counts = [self.counts[0] + len(probes.starts), self.counts[1] + probes.verify,
-                       self.counts[2] + probes.draft, self.counts[3] + probes.context_kv]  # fmt: skip
+                       self.counts[2] + probes.draft, self.counts[3] + probes.context_kv,
+                       self.counts[4] + probes.combine]  # fmt: skip
 
     def profile(self, directory: str) -> None:
         args = self.args
@@ -185,7 +186,8 @@ class EngineBench:
                 "worker_ms": round(1e3 * statistics.median(self.busy), 4), "steps": self.counts[0],
                 "verify_graph_replays": self.counts[1] if self.v2 else None,
                 "draft_graph_replays": self.counts[2] if self.v2 and self.spec else None,
-                "context_kv_graph_replays": self.counts[3] if self.v2 and self.spec == "ddtree" else None}  # fmt: skip
+                "context_kv_graph_replays": self.counts[3] if self.v2 and self.spec == "ddtree" else None,
+                "combine_graph_replays": self.counts[4] if self.v2 and self.spec == "ddtree" else None}  # fmt: skip
 
     def close(self) -> None:
         shut_down(self.llm)
@@ -354,7 +356,8 @@ def combine_rounds(rows: list[dict]) -> list[dict]:
         row["samples_ms"] = [s for r in group for s in r["samples_ms"]]
         if all("worker_ms" in r for r in group):
             row["worker_ms"] = round(statistics.median(r["worker_ms"] for r in group), 4)
-        for key in ("steps", "verify_graph_replays", "draft_graph_replays", "context_kv_graph_replays"):
+        for key in ("steps", "verify_graph_replays", "draft_graph_replays", "context_kv_graph_replays",
+                    "combine_graph_replays"):
             if row.get(key) is not None:
                 row[key] = sum(r[key] for r in group)
         table.append(row)

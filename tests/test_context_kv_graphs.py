@@ -1,12 +1,18 @@
-"""DFlash's context K/V write replayed from CUDA graphs (``vllm_ddtree.context_kv_graphs``): a replay writes what the
-eager write writes, the capture itself writes nothing, and every call it cannot serve runs the original."""
+"""DFlash's context K/V write and its combine of the target's auxiliary hidden states, replayed from CUDA graphs
+(``vllm_ddtree.context_kv_graphs``): a replay writes what the eager code writes, the capture itself writes nothing
+into the cache, and every call a graph cannot serve runs (or is left to) the eager code."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from vllm_ddtree.context_kv_graphs import ContextKVGraphs, decode_context_sizes, install_context_kv_graphs
+from vllm_ddtree.context_kv_graphs import (
+    CombineGraphs,
+    ContextKVGraphs,
+    decode_context_sizes,
+    install_context_kv_graphs,
+)
 
 HIDDEN, HEAD, ROWS = 48, 16, 40
 
@@ -111,3 +117,44 @@ def test_replays_write_what_the_eager_write_writes(per_layer: bool) -> None:
     graphs(states[:3].clone(), positions[:3], slots_for(3))
     graphs(states[:3], positions[:3], [rows[0][:3], rows[0][:3]] if per_layer else rows[1][:3])
     assert drafter.calls == calls + 2 and graphs.replays == 3
+
+
+def test_combine_graphs_without_a_capture_leave_every_call_to_the_eager_combine() -> None:
+    aux = [torch.zeros(8, 4), torch.zeros(8, 4)]
+    graphs = CombineGraphs(lambda x: x[:, :4], aux, torch.zeros(8, 4))
+    graphs.capture([])
+    assert graphs.sizes == [] and not graphs.replay([a[:3] for a in aux]) and not graphs.replay([])
+    assert graphs.replays == 0
+
+
+@pytest.mark.gpu
+def test_combine_replays_write_what_the_eager_combine_writes() -> None:
+    """DFlash's combine (concatenate the target layers' rows, one GEMM, copy into its hidden-row buffer), replayed
+    for the captured row counts on the target's persistent auxiliary buffers, bit for bit; other row counts, other
+    tensors and other shapes are refused (the caller then combines eagerly)."""
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(2)
+    weight = torch.randn(3 * HIDDEN, HIDDEN, generator=gen, device=device, dtype=torch.bfloat16)
+
+    def combine(x: torch.Tensor) -> torch.Tensor:
+        return x @ weight
+
+    aux = [torch.empty(48, HIDDEN, device=device, dtype=torch.bfloat16) for _ in range(3)]
+    states = torch.full((40, HIDDEN), float("nan"), device=device, dtype=torch.bfloat16)
+    graphs = CombineGraphs(combine, aux, states)
+    graphs.capture([34, 17, 51, 0])
+    assert graphs.sizes == [17, 34]  # 51 rows exceed the hidden-row buffer
+    for n in [17, 34, 17]:
+        for a in aux:
+            a.copy_(torch.randn(a.shape, generator=gen, device=device))
+        states.fill_(float("nan"))
+        assert graphs.replay([a[:n] for a in aux])
+        want = combine(torch.cat([a[:n] for a in aux], dim=-1))
+        torch.testing.assert_close(states[:n], want, rtol=0, atol=0)
+        assert torch.isnan(states[n:]).all(), "the replay wrote rows beyond its size"
+    assert graphs.replays == 3
+    assert not graphs.replay([a[:20] for a in aux])  # a size not captured
+    assert not graphs.replay([a[:17].clone() for a in aux])  # other tensors
+    assert not graphs.replay([a[1:18] for a in aux])  # other rows of the buffers
+    assert not graphs.replay([a[:17] for a in aux[:2]])  # fewer target layers
+    assert graphs.replays == 3

@@ -68,6 +68,8 @@ def test_greedy_ddtree_matches_target_and_replays_full_graphs(tiny_pair, referen
     assert verify.count > 0 and draft.count > 0, (verify.count, draft.count)
     context_kv = model_runner.speculator.context_kv_graphs
     assert context_kv is not None and context_kv.replays > 0, "decode steps write the drafter's context K/V from graphs"
+    combine = model_runner.speculator.combine_graphs
+    assert combine is not None and combine.replays > 0, "decode steps combine the target's hidden states from graphs"
     assert generate(llm, batch_prompts[:10], batch=1) == reference[:10]
     metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
     drafts, accepted = metrics["vllm:spec_decode_num_draft_tokens"], metrics["vllm:spec_decode_num_accepted_tokens"]

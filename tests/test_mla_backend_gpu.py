@@ -129,6 +129,7 @@ def test_ddtree_mla_matches_target_and_replays_full_graphs(mla_pair, custom_refe
     assert_equal_up_to_near_ties(f"{label} batch 8", generate(llm, prompts(), batch=8), want, margins)
     assert verify.count > 0 and draft.count > 0, (verify.count, draft.count)
     assert model_runner.speculator.context_kv_graphs.replays > 0
+    assert model_runner.speculator.combine_graphs.replays > 0
     assert_equal_up_to_near_ties(f"{label} batch 1", generate(llm, prompts(), batch=1), want, margins)
     metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
     assert metrics["vllm:spec_decode_num_draft_tokens"] > 0

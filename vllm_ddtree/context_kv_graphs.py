@@ -7,6 +7,11 @@ always has r × (budget + 1) target tokens, and DFlash hands them over in its pe
 positions, context slots), so those sizes are captured once and replayed: at batch 1 the decode step is host-bound
 and this is host time it no longer spends. The write is row-wise, so a captured size serves any step of that many
 tokens; other sizes, and calls on other tensors (dummy runs, profiling), run eagerly as before.
+
+The hidden rows themselves come from DFlash's combine of the target's auxiliary hidden states (concatenate, one
+``fc`` GEMM, a copy into its persistent buffer), eager too; on Model Runner V2 a decode step's auxiliary states are
+views of the target graph manager's persistent output buffers, so ``CombineGraphs`` captures the combine for the
+same sizes on those buffers.
 """
 
 from __future__ import annotations
@@ -80,6 +85,56 @@ class ContextKVGraphs:
             self.replays += 1
             return
         self.original(states, positions, slots)
+
+
+class CombineGraphs:
+    """DFlash's combine ``states[:n] = combine(cat(aux[:n], -1))``, captured for decode sizes on the target graph
+    manager's persistent auxiliary buffers ``aux`` (one per target layer DFlash reads) and DFlash's hidden-row
+    buffer ``states``. ``replay(aux_views)`` replays when the views are exactly ``aux[i][:n]`` of a captured ``n``
+    and says whether it did; otherwise the caller combines eagerly as before."""
+
+    def __init__(self, combine: Callable[[torch.Tensor], torch.Tensor], aux: list[torch.Tensor],
+                 states: torch.Tensor) -> None:
+        self._combine = combine
+        self._aux = aux
+        self._states = states
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.replays = 0
+
+    @property
+    def sizes(self) -> list[int]:
+        return sorted(self._graphs)
+
+    def _run(self, n: int) -> None:
+        self._states[:n].copy_(self._combine(torch.cat([a[:n] for a in self._aux], dim=-1)))
+
+    def capture(self, sizes: Iterable[int]) -> None:
+        """Capture the combine for each row count (largest first, one memory pool); it reads the buffers as they
+        are and writes only DFlash's scratch rows, which every step rewrites before reading."""
+        limit = min([self._states.shape[0], *(a.shape[0] for a in self._aux)])
+        wanted = sorted({n for n in sizes if 0 < n <= limit}, reverse=True)
+        if not wanted or not self._aux:
+            return
+        pool = torch.cuda.graph_pool_handle()
+        for n in wanted:
+            self._run(n)  # warm-up outside the capture (GEMM handles, kernel selection)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._run(n)
+            self._graphs[n] = graph
+        torch.cuda.synchronize()
+
+    def replay(self, aux: list[torch.Tensor]) -> bool:
+        n = aux[0].shape[0] if aux else 0
+        graph = self._graphs.get(n)
+        if graph is None or len(aux) != len(self._aux) or any(
+            view.data_ptr() != buf.data_ptr() or view.shape != (n, *buf.shape[1:]) or view.stride() != buf.stride()
+            for view, buf in zip(aux, self._aux, strict=True)
+        ):
+            return False
+        graph.replay()
+        self.replays += 1
+        return True
 
 
 def decode_context_sizes(width: int, max_num_reqs: int, max_tokens: int) -> list[int]:

@@ -25,7 +25,12 @@ from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 from vllm_ddtree.accept import AcceptedPaths
 from vllm_ddtree.backends.tree_mask import TreeMaskBuffers, install_tree_masks
 from vllm_ddtree.config import DDTreeConfig, get_ddtree_config
-from vllm_ddtree.context_kv_graphs import ContextKVGraphs, decode_context_sizes, install_context_kv_graphs
+from vllm_ddtree.context_kv_graphs import (
+    CombineGraphs,
+    ContextKVGraphs,
+    decode_context_sizes,
+    install_context_kv_graphs,
+)
 from vllm_ddtree.draft_topk import topk_logprobs
 from vllm_ddtree.sampler import DDTreeRejectionSamplerV1
 from vllm_ddtree.tree import DraftTrees, build_trees
@@ -149,6 +154,9 @@ class DDTreeSpeculator(DFlashSpeculator):
         # Set by the tree sampler for the step in flight, consumed by propose().
         self.pending_paths: AcceptedPaths | None = None
         self.context_kv_graphs: ContextKVGraphs | None = None
+        self.combine_graphs: CombineGraphs | None = None
+        # The runner's graph manager (set by the V2 seam): its persistent auxiliary outputs feed DFlash's combine.
+        self.target_cudagraph_manager: Any = None
 
     def _copy_request_inputs(self, num_reqs: int, idx_mapping: torch.Tensor, temperature: torch.Tensor,
                              seeds: torch.Tensor) -> None:
@@ -156,8 +164,9 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.idx_mapping[num_reqs:].fill_(-1)  # padded graph rows write the trash tree row
 
     def capture(self) -> None:
-        """DFlash's drafter graphs (their dummy rows must not write live trees), then the context K/V write of
-        every decode size (``context_kv_graphs``)."""
+        """DFlash's drafter graphs (their dummy rows must not write live trees), then the combine of the target's
+        auxiliary hidden states and the context K/V write of every decode size (``context_kv_graphs``); vLLM
+        captures the target's graphs first, so their auxiliary output buffers exist by now."""
         self.idx_mapping.fill_(-1)
         super().capture()
         graph_tokens = self.vllm_config.compilation_config.max_cudagraph_capture_size or self.max_num_tokens
@@ -166,6 +175,12 @@ class DDTreeSpeculator(DFlashSpeculator):
             self.model, self.hidden_states, self.context_positions, self._context_slot_mappings,
             self._layer_group_idx, sizes,
         )  # fmt: skip
+        aux = getattr(self.target_cudagraph_manager, "aux_hidden_states", None)
+        combine = getattr(self.model, "combine_hidden_states", None)
+        self.combine_graphs = None
+        if aux and combine is not None:
+            self.combine_graphs = CombineGraphs(combine, list(aux), self.hidden_states)
+            self.combine_graphs.capture(sizes)
 
     def _generate_draft(self, num_reqs: int, num_tokens_padded: int, attn_metadata: dict[str, Any] | None,
                         slot_mappings: dict[str, torch.Tensor] | None, num_tokens_across_dp: torch.Tensor | None,
@@ -191,13 +206,18 @@ class DDTreeSpeculator(DFlashSpeculator):
                 next_prefill_tokens: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
                 num_tokens_across_dp: torch.Tensor | None = None, dummy_run: bool = False,
                 skip_attn_for_dummy_run: bool = False, mm_inputs: Any = None, is_profile: bool = False) -> torch.Tensor:
-        """Drafter context = the accepted path (linear positions, path-ordered hidden rows), then DFlash + trees."""
+        """Drafter context = the accepted path (linear positions, path-ordered hidden rows), combined from graphs
+        where captured, then DFlash + trees."""
         paths, self.pending_paths = self.pending_paths, None
         if paths is not None and not dummy_run:
             restore_path_context(
                 input_batch.positions, list(aux_hidden_states or [last_hidden_states]), input_batch.query_start_loc,
                 input_batch.cu_num_logits, input_batch.idx_mapping, paths, input_batch.num_reqs,
             )  # fmt: skip
+        if (aux_hidden_states and not dummy_run and self.combine_graphs is not None
+                and self.combine_graphs.replay(aux_hidden_states)):  # fmt: skip
+            # The replay wrote DFlash's hidden rows; DFlash's own copy of them onto themselves is a no-op.
+            aux_hidden_states, last_hidden_states = None, self.hidden_states
         return super().propose(
             input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states, num_sampled,
             num_rejected, last_sampled, next_prefill_tokens, temperature, seeds, num_tokens_across_dp, dummy_run,

@@ -4,8 +4,9 @@
   same process (notebooks, tests) never reads that engine's stale words; a ddtree speculator installs its own.
 * ``model_runner.init_speculator`` (the module global the runner calls): ``DDTreeSpeculator`` instead of DFlash's.
 * ``DefaultModelState.custom_sampler``: vLLM's own hook for the rejection sampler; returns ``DDTreeRejectionSampler``.
-* ``GPUModelRunner.initialize_kv_cache``: afterwards, bind the tree sampler to the block tables and KV caches, and
-  note the target's attention groups without the drafter's.
+* ``GPUModelRunner.initialize_kv_cache``: afterwards, bind the tree sampler to the block tables and KV caches,
+  hand the speculator the target's graph manager (its persistent auxiliary outputs), and note the target's
+  attention groups without the drafter's.
 * ``DefaultModelState.prepare_attn``: the target step's metadata is built for the target's attention groups only:
   vLLM builds it for every group, the drafter's too, which DFlash plans again for its own pass (FlashAttention's
   scheduler metadata twice a step, host time in a batch-1 step that is host-bound).
@@ -64,6 +65,7 @@ def _initialize_kv_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
     result = GPUModelRunner._orig_initialize_kv_cache(self, *args, **kwargs)
     if isinstance(getattr(self, "rejection_sampler", None), DDTreeRejectionSampler):
         self.rejection_sampler.attach(self)
+        self.speculator.target_cudagraph_manager = self.cudagraph_manager
         draft_layers = set(self.speculator.draft_attn_layer_names)
         self.model_state.ddtree_target_attn_groups = (self.attn_groups,
                                                       target_attn_groups(self.attn_groups, draft_layers))
