@@ -12,6 +12,7 @@
 #   acceptance   embedded pairs, budgets 8 16 32 63: GQA | MLA
 #   ops          tree ops incl. the drafter top-k | the MLA kernel (auto, portable, decode; all shapes) vs baselines
 #   tests        the gpu-marked tests: end to end + top-k | kernels and backends
+#   recheck      the GPU tests of the V2 host trims (context K/V + combine graphs, e2e GQA, MLA matches-target; one lane)
 #   profile      Kimi-K2-attention MLA, budgets 8 16, 32k, batch 1: a torch.profiler table per config (V2 chain, ddtree)
 #   profile-b16  the same at budget 63, 4k, batch 16 (GPU-bound steps: where the verify's GPU time goes)
 #   offsets      MLA budgets 16 8, batch 1: V2 chain + ddtree paired and pinned, 15 alternating repeats (one lane)
@@ -51,6 +52,11 @@ jobs_of() {
       echo "0 tests_e2e -m pytest -q -s -m gpu -p no:cacheprovider tests/test_ddtree_gpu_e2e.py tests/test_draft_topk.py"
       echo "1 tests_kernels -m pytest -q -s -m gpu -p no:cacheprovider --ignore tests/test_ddtree_gpu_e2e.py" \
            "--ignore tests/test_draft_topk.py tests" ;;
+    recheck)
+      echo "0 tests_e2e -m pytest -q -s -m gpu -p no:cacheprovider tests/test_context_kv_graphs.py" \
+           "tests/test_ddtree_gpu_e2e.py"
+      echo "0 tests_mla -m pytest -q -s -m gpu -p no:cacheprovider tests/test_mla_backend_gpu.py" \
+           "-k matches_target_and_replays" ;;
     profile)
       echo "0 profile_kimi bench/step_time.py --target kimi-mla --configs dflash ddtree --budgets 8 16 --contexts 32768" \
            "--batches 1 --profile $r/profile --out $r/profile_kimi.json" ;;
@@ -69,7 +75,7 @@ jobs_of() {
     jobs:*)
       [ -f "${1#jobs:}" ] || { echo "no job file '${1#jobs:}'" >&2; return 2; }
       grep -v '^\s*\(#\|$\)' "${1#jobs:}" | sed "s|\$RESULTS|$r|g" ;;
-    *) echo "unknown stage '$1': step-a, step-b, acceptance, ops, tests, profile, profile-b16, offsets, offsets-wide," \
+    *) echo "unknown stage '$1': step-a, step-b, acceptance, ops, tests, recheck, profile, profile-b16, offsets, offsets-wide," \
             "v1-plain" \
             "or jobs:FILE" >&2; return 2 ;;
   esac
