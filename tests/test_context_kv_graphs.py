@@ -158,3 +158,31 @@ def test_combine_replays_write_what_the_eager_combine_writes() -> None:
     assert not graphs.replay([a[1:18] for a in aux])  # other rows of the buffers
     assert not graphs.replay([a[:17] for a in aux[:2]])  # fewer target layers
     assert graphs.replays == 3
+
+
+@pytest.mark.parametrize("replayed", [True, False])
+def test_the_speculator_hands_dflash_the_replayed_rows_or_the_auxiliary_states(replayed: bool,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a combine replay DFlash gets no auxiliary states and its own hidden-row buffer as the step's hidden
+    states (its copy of them onto themselves is then a no-op); without one, the auxiliary states as they came."""
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+    from vllm_ddtree.speculator import DDTreeSpeculator
+
+    handed: list[tuple[object, object]] = []
+    monkeypatch.setattr(DFlashSpeculator, "propose",
+                        lambda self, batch, meta, slots, last, aux, *rest: handed.append((last, aux)))  # fmt: skip
+    speculator = object.__new__(DDTreeSpeculator)
+    speculator.pending_paths = None
+    speculator.hidden_states = torch.zeros(8, 4)
+    offered: list[list[torch.Tensor]] = []
+    speculator.combine_graphs = SimpleNamespace(replay=lambda aux: offered.append(aux) or replayed)
+    last, aux = torch.ones(3, 4), [torch.ones(3, 4), torch.ones(3, 4)]
+    rest = (None, None, None, None, None, None)
+    speculator.propose(None, {}, {}, last, aux, *rest)
+    speculator.propose(None, {}, {}, last, aux, *rest, dummy_run=True)
+    assert offered == [aux], "dummy runs never replay"
+    assert handed[0] == ((speculator.hidden_states, None) if replayed else (last, aux))
+    assert handed[1] == (last, aux)
