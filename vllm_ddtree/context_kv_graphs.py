@@ -35,6 +35,29 @@ def _views(slots: Slots) -> tuple[tuple[int, int], ...] | None:
     return tuple((t.data_ptr(), t.shape[0]) for t in tensors)
 
 
+def wanted_sizes(sizes: Iterable[int], limit: int) -> list[int]:
+    """The sizes to capture: each of ``sizes`` in ``1..limit`` once, largest first (the first capture sizes the
+    shared memory pool)."""
+    return sorted({n for n in sizes if 0 < n <= limit}, reverse=True)
+
+
+def capture_each(run: Callable[[int], object], sizes: list[int]) -> dict[int, torch.cuda.CUDAGraph]:
+    """One CUDA graph of ``run(n)`` per size, in one memory pool, each after a warm-up run outside the capture
+    (library handles, kernel selection)."""
+    graphs: dict[int, torch.cuda.CUDAGraph] = {}
+    if not sizes:
+        return graphs
+    pool = torch.cuda.graph_pool_handle()
+    for n in sizes:
+        run(n)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            run(n)
+        graphs[n] = graph
+    torch.cuda.synchronize()
+    return graphs
+
+
 class ContextKVGraphs:
     """Callable in place of the drafter model's ``precompute_and_store_context_kv(states, positions, slots)``.
 
@@ -61,19 +84,13 @@ class ContextKVGraphs:
         """Capture the write for each token count (largest first, one memory pool). The slot rows are set to
         ``PAD_SLOT_ID`` first, so the capture's own runs write nothing into the cache; DFlash rewrites the rows it
         uses before every call."""
-        wanted = sorted({n for n in sizes if 0 < n <= self._states.shape[0]}, reverse=True)
+        wanted = wanted_sizes(sizes, self._states.shape[0])
         if not wanted:
             return
         self._slot_rows.fill_(PAD_SLOT_ID)
-        pool = torch.cuda.graph_pool_handle()
-        for n in wanted:
-            args = (self._states[:n], self._positions[:n], self._slots_for(n))
-            self.original(*args)  # warm-up outside the capture (library handles, kernel selection)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.original(*args)
-            self._graphs[n] = graph, _views(args[2])
-        torch.cuda.synchronize()
+        graphs = capture_each(lambda n: self.original(self._states[:n], self._positions[:n], self._slots_for(n)),
+                              wanted)  # fmt: skip
+        self._graphs = {n: (graph, _views(self._slots_for(n))) for n, graph in graphs.items()}
 
     def __call__(self, states: torch.Tensor, positions: torch.Tensor, slots: Slots = None) -> None:
         n = states.shape[0]
@@ -111,18 +128,9 @@ class CombineGraphs:
     def capture(self, sizes: Iterable[int]) -> None:
         """Capture the combine for each row count (largest first, one memory pool); it reads the buffers as they
         are and writes only DFlash's scratch rows, which every step rewrites before reading."""
-        limit = min([self._states.shape[0], *(a.shape[0] for a in self._aux)])
-        wanted = sorted({n for n in sizes if 0 < n <= limit}, reverse=True)
-        if not wanted or not self._aux:
-            return
-        pool = torch.cuda.graph_pool_handle()
-        for n in wanted:
-            self._run(n)  # warm-up outside the capture (GEMM handles, kernel selection)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._run(n)
-            self._graphs[n] = graph
-        torch.cuda.synchronize()
+        if self._aux:
+            limit = min([self._states.shape[0], *(a.shape[0] for a in self._aux)])
+            self._graphs = capture_each(self._run, wanted_sizes(sizes, limit))
 
     def replay(self, aux: list[torch.Tensor]) -> bool:
         n = aux[0].shape[0] if aux else 0
