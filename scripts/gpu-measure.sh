@@ -12,7 +12,8 @@
 #   acceptance   embedded pairs, budgets 8 16 32 63: GQA | MLA
 #   ops          tree ops incl. the drafter top-k | the MLA kernel (auto, portable, decode; all shapes) vs baselines
 #   tests        the gpu-marked tests: end to end + top-k | kernels and backends
-#   recheck      the GPU tests of the V2 host trims (context K/V + combine graphs, e2e GQA, MLA matches-target; one lane)
+#   recheck      the GPU tests of the V2 host trims (context K/V + combine graphs, e2e GQA, MLA matches-target) and
+#                of the MLA query pack, then its bench (one lane)
 #   profile      Kimi-K2-attention MLA, budgets 8 16, 32k, batch 1: a torch.profiler table per config (V2 chain, ddtree)
 #   profile-b16  the same at budget 63, 4k, batch 16 (GPU-bound steps: where the verify's GPU time goes)
 #   offsets      MLA budgets 16 8, batch 1: V2 chain + ddtree paired and pinned, 15 alternating repeats (one lane)
@@ -56,7 +57,9 @@ jobs_of() {
       echo "0 tests_e2e -m pytest -q -s -m gpu -p no:cacheprovider tests/test_context_kv_graphs.py" \
            "tests/test_ddtree_gpu_e2e.py"
       echo "0 tests_mla -m pytest -q -s -m gpu -p no:cacheprovider tests/test_mla_backend_gpu.py" \
-           "-k matches_target_and_replays" ;;
+           "-k matches_target_and_replays"
+      echo "0 tests_pack -m pytest -q -s -m gpu -p no:cacheprovider tests/test_mla_tree_tail.py -k pack"
+      echo "0 query_pack bench/query_pack.py --out $r/query_pack.json" ;;
     profile)
       echo "0 profile_kimi bench/step_time.py --target kimi-mla --configs dflash ddtree --budgets 8 16 --contexts 32768" \
            "--batches 1 --profile $r/profile --out $r/profile_kimi.json" ;;

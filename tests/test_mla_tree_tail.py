@@ -160,6 +160,25 @@ def check_backend_split(case: dict) -> None:
     assert torch.allclose(lse, want_lse, atol=2e-2, rtol=1e-3)
 
 
+def check_pack(seed: int, tokens: int, heads: int, device: str = "cpu", gather: bool = False) -> None:
+    """``pack_context_query`` on the query as vLLM hands it over (``q_nope`` a head-major GEMM output seen
+    transposed, ``q_pe`` a slice of a wider per-head row whose other columns are NaN), optionally gathering rows
+    (repeats, as FlashMLA's padding does): bit-equal to ``torch.cat``."""
+    from vllm_ddtree.mla_tree_tail import pack_context_query
+
+    gen = torch.Generator().manual_seed(seed)
+    q_nope = torch.randn(heads, tokens, 512, generator=gen).to(torch.bfloat16).to(device).transpose(0, 1)
+    q_wide = torch.full((tokens, heads, 192), float("nan"), dtype=torch.bfloat16, device=device)
+    q_wide[..., 128:] = torch.randn(tokens, heads, 64, generator=gen).to(torch.bfloat16).to(device)
+    q_pe = q_wide[..., 128:]
+    rows = torch.randint(0, max(tokens, 1), (tokens + 3,), generator=gen).to(device) if gather and tokens else None
+    got = pack_context_query(q_nope, q_pe, rows)
+    want = torch.cat([q_nope, q_pe], -1)
+    want = want if rows is None else want[rows]
+    assert got.shape == want.shape and got.is_contiguous()
+    assert torch.equal(got, want)
+
+
 def test_output_parts_fill_small_grids_only() -> None:
     from vllm_ddtree.mla_tree_tail import output_parts
 
@@ -189,7 +208,7 @@ def test_padded_query_rows() -> None:
 
 INTERPRETER_CHECK = textwrap.dedent(
     """
-    from test_mla_tree_tail import check_backend_split, check_case, random_case
+    from test_mla_tree_tail import check_backend_split, check_case, check_pack, random_case
 
     for seed in range(3):
         check_case(random_case(seed), with_prefix=True)
@@ -200,6 +219,9 @@ INTERPRETER_CHECK = textwrap.dedent(
     check_case(random_case(31), with_prefix=False, v_split=4)
     check_case(random_case(32, uniform=9), with_prefix=True)  # 16 key columns
     check_case(random_case(33, uniform=17), with_prefix=False)  # 32 key columns
+    for seed, (tokens, heads) in enumerate([(7, 5), (17, 64), (1, 128), (0, 8)]):
+        check_pack(seed, tokens, heads)
+        check_pack(seed, tokens, heads, gather=True)
     print("ok")
     """
 )
@@ -210,6 +232,14 @@ def test_tail_with_context_pass_and_backend_split_match_reference_in_interpreter
     proc = subprocess.run([sys.executable, "-c", INTERPRETER_CHECK], env=env, cwd=REPO, capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (proc.stdout + proc.stderr)[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [5, 16, 64, 128])
+def test_cuda_pack_context_query_equals_cat(heads: int) -> None:
+    for seed, tokens in enumerate([1, 17, 1024, 4097]):
+        check_pack(seed, tokens, heads, "cuda")
+        check_pack(seed, tokens, heads, "cuda", gather=True)
 
 
 @pytest.mark.gpu

@@ -141,3 +141,15 @@ def test_gqa_tree_attention_kernel_compiles(arch: int, width: int, has_prefix: b
     kernel = _compile(_gqa_tree_attn_kernel, {**pointers, **dict.fromkeys(strides, "i32")}, constexprs, arch,
                       num_warps)  # fmt: skip
     _check(kernel, f"gqa W{width} M{block_m} N{block_n} prefix={has_prefix} sm_{arch}")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("gather", [False, True])
+def test_pack_context_query_kernel_compiles(arch: int, gather: bool) -> None:
+    from vllm_ddtree.mla_tree_tail import PACK_HEADS, PACK_WARPS, _pack_query_kernel
+
+    signature = {"q_nope_ptr": "*bf16", "q_pe_ptr": "*bf16", "rows_ptr": "*i64", "out_ptr": "*bf16", "s_qn_t": "i32",
+                 "s_qn_h": "i32", "s_qp_t": "i32", "s_qp_h": "i32", "s_o_t": "i32", "s_o_h": "i32",
+                 "num_heads": "i32"}  # fmt: skip
+    constexprs = {"NOPE": 512, "ROPE": 64, "HEADS": PACK_HEADS, "GATHER": gather}
+    _check(_compile(_pack_query_kernel, signature, constexprs, arch, PACK_WARPS), f"pack query sm_{arch}")

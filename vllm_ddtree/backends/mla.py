@@ -216,13 +216,12 @@ class DDTreeMLAImpl(MLACommonImpl[DDTreeMLAMetadata]):
         log-sum-exp merge (``split_verify``)."""
         from vllm.v1.attention.ops.flashmla import flash_mla_with_kvcache
 
-        from vllm_ddtree.mla_tree_tail import split_verify
+        from vllm_ddtree.mla_tree_tail import pack_context_query, split_verify
 
         num_reqs, width, num_heads = decode.seq_lens.shape[0], decode.max_query_len, q_nope.shape[1]
 
         def context_pass() -> tuple[torch.Tensor, torch.Tensor]:
-            q = torch.cat([q_nope, q_pe], dim=-1)
-            q = (q if decode.padded_rows is None else q[decode.padded_rows]).view(num_reqs, width, num_heads, -1)
+            q = pack_context_query(q_nope, q_pe, decode.padded_rows).view(num_reqs, width, num_heads, -1)
             return flash_mla_with_kvcache(
                 q=q, k_cache=kv_cache.unsqueeze(-2), block_table=decode.block_table,
                 cache_seqlens=decode.context_lens, head_dim_v=KV_LORA_RANK,
