@@ -16,6 +16,7 @@
 #                of the MLA query pack, then its bench (one lane)
 #   profile      Kimi-K2-attention MLA, budgets 8 16, 32k, batch 1: a torch.profiler table per config (V2 chain, ddtree)
 #   profile-b16  the same at budget 63, 4k, batch 16 (GPU-bound steps: where the verify's GPU time goes)
+#   profile-4k   the same at budgets 32 63, 4k, batch 1 (the batch-1 cells that miss 0.25x of the V1 chain)
 #   offsets      MLA budgets 16 8, batch 1: V2 chain + ddtree paired and pinned, 15 alternating repeats (one lane)
 #   offsets-wide the same at budgets 32 63 (their batch-1 cells have only the one-round table so far)
 #   v1-plain     MLA budgets 16 32 63, batch 1: vLLM's chain on V1 + TRITON_MLA as shipped (plugins off) and ddtree,
@@ -66,6 +67,9 @@ jobs_of() {
     profile-b16)
       echo "0 profile_kimi_b16 bench/step_time.py --target kimi-mla --configs dflash ddtree --budgets 63 --contexts 4096" \
            "--batches 16 --profile $r/profile_b16 --out $r/profile_kimi_b16.json" ;;
+    profile-4k)
+      echo "0 profile_kimi_4k bench/step_time.py --target kimi-mla --configs dflash ddtree --budgets 32 63 --contexts 4096" \
+           "--batches 1 --profile $r/profile_4k --out $r/profile_kimi_4k.json" ;;
     offsets)
       echo "0 offsets bench/step_time.py --target kimi-mla --configs dflash ddtree --budgets 16 8 --batches 1" \
            "--paired --pin --repeats 15 --out $r/offsets.json" ;;
@@ -78,7 +82,7 @@ jobs_of() {
     jobs:*)
       [ -f "${1#jobs:}" ] || { echo "no job file '${1#jobs:}'" >&2; return 2; }
       grep -v '^\s*\(#\|$\)' "${1#jobs:}" | sed "s|\$RESULTS|$r|g" ;;
-    *) echo "unknown stage '$1': step-a, step-b, acceptance, ops, tests, recheck, profile, profile-b16, offsets, offsets-wide," \
+    *) echo "unknown stage '$1': step-a, step-b, acceptance, ops, tests, recheck, profile, profile-b16, profile-4k, offsets, offsets-wide," \
             "v1-plain" \
             "or jobs:FILE" >&2; return 2 ;;
   esac
