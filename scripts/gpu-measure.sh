@@ -18,7 +18,7 @@
 #   profile-b16  the same at budget 63, 4k, batch 16 (GPU-bound steps: where the verify's GPU time goes)
 #   profile-4k   the same at budgets 32 63, 4k, batch 1 (the batch-1 cells that miss 0.25x of the V1 chain)
 #   offsets      MLA budgets 16 8, batch 1: V2 chain + ddtree paired and pinned, 15 alternating repeats (one lane)
-#   offsets-wide the same at budgets 32 63 (their batch-1 cells have only the one-round table so far)
+#   offsets-wide the same at budgets 32 63
 #   v1-plain     MLA budgets 16 32 63, batch 1: vLLM's chain on V1 + TRITON_MLA as shipped (plugins off) and ddtree,
 #                paired and pinned, 9 alternating repeats
 #   jobs:FILE    the jobs listed in FILE, one per line: LANE NAME [K=V ...] ARGS... (runs python3 ARGS with those
