@@ -233,3 +233,15 @@ def test_unservable_targets_and_features_are_refused() -> None:
         check_parallel_config(SimpleNamespace(pipeline_parallel_size=2))
     with pytest.raises(DDTreeConfigError, match="decode_context_parallel_size=2"):
         check_parallel_config(SimpleNamespace(decode_context_parallel_size=2))
+
+
+def test_a_drafter_must_name_a_dflash_architecture() -> None:
+    from vllm_ddtree.config import check_drafter_architectures
+
+    check_drafter_architectures("d", ["DFlashDraftModel"])
+    check_drafter_architectures("d", ["LagunaForCausalLMDFlash"])
+    with pytest.raises(DDTreeConfigError, match=r"'model' \(t\) is not a DFlash drafter \(architectures "
+                                                r"\['Qwen3ForCausalLM'\]\)"):
+        check_drafter_architectures("t", ["Qwen3ForCausalLM"])
+    with pytest.raises(DDTreeConfigError, match=r"architectures \[\]"):
+        check_drafter_architectures("t", None)

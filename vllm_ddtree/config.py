@@ -150,6 +150,22 @@ def split_speculative_config(raw: Mapping[str, Any], vllm_keys: Iterable[str]) -
     return spec, DDTreeRequest(budget=budget, topk=topk, max_depth=max_depth, adaptive_budget=False)
 
 
+def is_dflash_architecture(architecture: str) -> bool:
+    """vLLM's own test (``EAGLEConfig`` for method "dflash"): DFlash drafters name their architecture DFlash*."""
+    return architecture.startswith("DFlash") or architecture.endswith("DFlash")
+
+
+def check_drafter_architectures(model: str, architectures: Iterable[str] | None) -> None:
+    """Refuse a drafter checkpoint that is not a DFlash drafter, before vLLM turns its architecture into an unknown
+    ``DFlash<arch>`` and answers with its whole model registry."""
+    names = list(architectures or [])
+    if not any(is_dflash_architecture(name) for name in names):
+        raise DDTreeConfigError(
+            f"ddtree speculative config: 'model' ({model}) is not a DFlash drafter (architectures {names}); set it "
+            f"to a DFlash drafter checkpoint, whose config names an architecture such as 'DFlashDraftModel'."
+        )
+
+
 def drafter_block_size(draft_hf_config: Any) -> int | None:
     """The DFlash drafter's block size (anchor + predicted positions), wherever the HF config keeps it."""
     for holder in (draft_hf_config, getattr(draft_hf_config, "dflash_config", None)):

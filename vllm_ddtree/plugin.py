@@ -7,7 +7,7 @@ import logging
 SUPPORTED_VLLM = (0, 26, 0)
 SUPPORTED_VLLM_STR = ".".join(map(str, SUPPORTED_VLLM))
 
-logger = logging.getLogger("vllm_ddtree")
+logger = logging.getLogger("vllm.ddtree")  # under "vllm": vLLM's log handlers print it
 _state = {"registered": False, "refused": False}
 
 
@@ -61,9 +61,11 @@ def _register_cpu() -> None:
     """vLLM-CPU runs Model Runner V1: the V1 adapter plus the tree-aware CPU attention in CPU_ATTN's slot."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
+    from vllm_ddtree.patches import cpu_kernels
     from vllm_ddtree.patches import v1 as v1_patches
 
     register_backend(AttentionBackendEnum.CPU_ATTN, "vllm_ddtree.backends.cpu.DDTreeCPUAttentionBackend")
+    cpu_kernels.apply()
     v1_patches.apply()
 
 

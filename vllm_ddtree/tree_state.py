@@ -126,12 +126,23 @@ class DDTreeStepState:
         self.batch = BatchTrees(
             parents.to(self.device), anc_bits.to(self.device), num_nodes.to(self.device), chain_only
         )
-        self.paths = None
+        self._forget_proposal()
+
+    def _forget_proposal(self) -> None:
+        """Proposals are single-use: drafts the scheduler sends later (after a step without a drafter pass, which
+        vLLM skips near the length limit) are verified as chains, never against an older step's trees."""
+        self._proposed = None
+        self._proposed_rows = {}
 
     def end_step(self) -> None:
         """No tree verify in flight: attention goes back to plain causal."""
         self.masks.active = False
         self.batch = None
+
+    def skip_step(self) -> None:
+        """A step without drafts: plain causal attention, and the last proposal is void."""
+        self.end_step()
+        self._forget_proposal()
 
 
 class TreeBuffers:

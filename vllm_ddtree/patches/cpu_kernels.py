@@ -1,0 +1,47 @@
+"""vLLM-CPU kernel seam: a correct ``expand_kernel`` (per-request values repeated over each request's tokens).
+
+vLLM-CPU replaces the Triton ``expand_kernel`` of ``vllm.v1.sample.rejection_sampler`` with a C++ op wrapped in
+``_ensure_int64(output)``; for a float32 output (per-token temperatures, top-p) that wrapper writes into a copy,
+so the real output stays uninitialised memory. Every sampled request that goes through speculative decoding on
+vLLM-CPU (vLLM's own chain sampler and DDTree's per-node sampling alike) then samples with garbage temperatures.
+The replacement is the kernel's contract in torch ops, for every dtype; the CPU runner installs it in
+``rejection_sampler`` when it builds (``CPUModelRunner._postprocess_triton`` reads ``cpu_triton_utils``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vllm_ddtree.patches import patch_attr
+
+
+def expand_per_request(
+    output: torch.Tensor,
+    input_val: torch.Tensor,
+    cu_num_tokens: torch.Tensor,
+    replace_from: Any,
+    replace_to: Any,
+    MAX_NUM_TOKENS: int | None = None,
+) -> None:  # noqa: N803
+    """``output[cu[i-1]:cu[i]] = input_val[i]`` (``replace_from`` becomes ``replace_to``), as the Triton kernel."""
+    ends = cu_num_tokens.to(torch.int64)
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    values = torch.where(input_val == replace_from, torch.as_tensor(replace_to, dtype=input_val.dtype), input_val)
+    total = int(ends[-1]) if ends.numel() else 0
+    output[:total] = torch.repeat_interleave(values, counts, output_size=total).to(output.dtype)
+
+
+class _Launch:
+    """``kernel[grid](...)`` call shape of the Triton kernel it stands in for."""
+
+    def __getitem__(self, grid: Any) -> Any:
+        return expand_per_request
+
+
+def apply() -> None:
+    """Install the CPU expand kernel (idempotent; only meaningful on vLLM-CPU, which ships ``cpu_triton_utils``)."""
+    import vllm.utils.cpu_triton_utils as cpu_triton_utils
+
+    patch_attr(cpu_triton_utils, "expand_kernel", _Launch())
