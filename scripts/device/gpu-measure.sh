@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The README's H200 measurements as a queue of stages. Each stage has two halves; with two GPUs the halves run side
-# by side, one lane per GPU, otherwise one after the other. Every bench and test is cut off after $JOB_TIMEOUT seconds
-# (560; bench JSON is written row by row, so a cut-off keeps what finished). Results and logs go to $RESULTS
-# (/tmp/ddtree-gpu).
-#   bash scripts/gpu-measure.sh STAGE...                 # run the stages now and wait
-#   bash scripts/gpu-measure.sh --background STAGE...    # start them in their own session and return at once
-#   bash scripts/gpu-measure.sh poll SECONDS             # wait, then print progress and pack $RESULTS
+# The H200 measurements of docs/results.md as a queue of stages. Each stage has two halves; with two GPUs the halves
+# run side by side, one lane per GPU, otherwise one after the other. Every bench and test is cut off after
+# $JOB_TIMEOUT seconds (560; bench JSON is written row by row, so a cut-off keeps what finished). Results and logs go
+# to $RESULTS (/tmp/ddtree-gpu).
+#   bash scripts/device/gpu-measure.sh STAGE...                 # run the stages now and wait
+#   bash scripts/device/gpu-measure.sh --background STAGE...    # start them in their own session and return at once
+#   bash scripts/device/gpu-measure.sh poll SECONDS             # wait, then print progress and pack $RESULTS
 # Stages:
 #   step-a       budgets 8 16: Qwen3-4B geometry | Kimi-K2-attention MLA (+ V1 chain; --paired)
 #   step-b       budgets 32 63, the same two targets
@@ -28,7 +28,7 @@
 # length can start a long queue and later ones can poll it; poll packs everything into $OUT/results.tgz when $OUT is
 # set (one file: remote runners may return only a few).
 set -uo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 RESULTS="${RESULTS:-/tmp/ddtree-gpu}"
 JOB_TIMEOUT="${JOB_TIMEOUT:-560}"
 export VLLM_USE_FLASHINFER_SAMPLER="${VLLM_USE_FLASHINFER_SAMPLER:-0}" HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" RESULTS
@@ -124,7 +124,7 @@ case "${1:-}" in
     for stage in "$@"; do jobs_of "$stage" > /dev/null || exit 2; done
     mkdir -p "$RESULTS"
     echo "--- $(date +%T) $*" >> "$RESULTS/done"
-    bash "$ROOT/scripts/gpu-check.sh" --install-only || exit 1
+    bash "$ROOT/scripts/device/gpu-check.sh" --install-only || exit 1
     lanes=1; [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && lanes=2
     for ((n = 0; n < lanes; n++)); do
       if [ $background = 1 ]; then

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # GPU checks on a CUDA machine where vLLM 0.26.0 is importable: install this plugin next to it, then run the
 # gpu-marked tests given as arguments (default: all of them). Logs go to ${OUT:-/tmp/ddtree-gpu}.
-#   bash scripts/gpu-check.sh tests/test_ddtree_gpu_e2e.py tests/test_mla_backend_gpu.py
-#   bash scripts/gpu-check.sh --install-only
+#   bash scripts/device/gpu-check.sh tests/test_ddtree_gpu_e2e.py tests/test_mla_backend_gpu.py
+#   bash scripts/device/gpu-check.sh --install-only
 set -uo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 LOGS="${OUT:-/tmp/ddtree-gpu}"
 mkdir -p "$LOGS"
 export VLLM_USE_FLASHINFER_SAMPLER="${VLLM_USE_FLASHINFER_SAMPLER:-0}" HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}"
