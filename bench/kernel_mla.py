@@ -259,7 +259,7 @@ def main() -> None:
                          "decode (the 16-row decode kernel, at every size), decode-shallow (decode with sm_120's "
                          "2-stage ring)")
     ap.add_argument("--shapes", choices=sorted(SHAPE_SETS), default="issue",
-                    help="issue: the compute-bound shapes of the README table; memory-bound: plain decode and short "
+                    help="issue: the compute-bound shapes of docs/results.md 6.1; memory-bound: plain decode and short "
                          "trees at few heads, judged by their share of copy bandwidth; crossover: 32-128 rows a "
                          "request, where auto changes kernels")
     ap.add_argument("--fp8", action="store_true")
