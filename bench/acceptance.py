@@ -39,6 +39,7 @@ from engine_probes import (
     run_on_worker,
     shut_down,
 )
+from meta import run_meta
 
 ROOT = Path(__file__).resolve().parents[1]
 PAIRS = {"gqa": ("stdlib-qwen3-tiny", "stdlib-qwen3-tiny-dflash"), "mla": ("stdlib-mla-tiny", "stdlib-mla-tiny-dflash")}
@@ -211,7 +212,8 @@ def main() -> None:
 
 def _write(args: argparse.Namespace, rows: list[dict]) -> list[dict]:
     table = summarize(rows)
-    args.out.write_text(json.dumps({"prompts": args.prompts, "prompt_len": 64, "max_tokens": args.max_tokens,
+    args.out.write_text(json.dumps({"meta": run_meta(), "prompts": args.prompts, "prompt_len": 64,
+                                    "max_tokens": args.max_tokens,
                                     "graphs": "FULL_DECODE_ONLY on GPUs, no torch.compile", "rows": table},
                                    indent=1) + "\n")  # fmt: skip
     return table

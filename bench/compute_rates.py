@@ -24,6 +24,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/meta.py
+
+from meta import run_meta  # noqa: E402
 
 from vllm_ddtree.ops import cache_root, csrc_dir  # noqa: E402
 
@@ -114,7 +117,8 @@ def main() -> None:
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), gemm_tflops=round(gemm, 1), mma_sync=rows), f, indent=1)
+            json.dump(dict(meta=run_meta(), device=torch.cuda.get_device_name(), gemm_tflops=round(gemm, 1),
+                           mma_sync=rows), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,16 @@
 """Timing of ``ddtree::mla_tree_verify`` on one GPU: CUDA-graph replay over >= 4 rotating KV caches, medians.
 
-    python bench/kernel_mla.py --baselines --out bench/results/mla_kernel_h200_baselines.json
+    python bench/kernel_mla.py --baselines --variants auto,portable \
+        --out bench/results/mla_kernel_h200_split_stream.json
 
 Each row carries its floors: the KV read at the measured copy rate and the FLOPs at the measured dense bf16 GEMM
 rate (cuBLAS) — ``floor_us`` — and at the measured ``mma.sync`` peak, the instruction the portable and decode kernels
 run (``floor_mma_sync_us``; rates from ``bench/compute_rates.py``). ``--baselines`` (needs vLLM 0.26 on the GPU
 machine) also times, over the same rotating caches and in the same run,
 vLLM's Triton MLA decode with the tree flattened to one row per node (row i sees L - N + i + 1 keys, as vLLM runs
-verify) and FlashMLA with causal q_len = N (same work minus the tree mask), called as in
-../shared/device/bench_mla_anchor.py. Block size 64 for those (FlashMLA requires it). ``--shapes memory-bound``
-times plain decode and short trees at few heads instead, where the share of copy bandwidth is what counts.
+verify) and FlashMLA with causal q_len = N (same work minus the tree mask), both through vLLM's own ops. Block size
+64 for those (FlashMLA requires it). ``--shapes memory-bound`` times plain decode and short trees at few heads
+instead, where the share of copy bandwidth is what counts.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/meta.py
+
+from meta import repo_path, run_meta  # noqa: E402
 
 from bench.compute_rates import floor_us, gemm_tflops, mma_sync_rates  # noqa: E402
 
@@ -255,7 +259,7 @@ def main() -> None:
                          "decode (the 16-row decode kernel, at every size), decode-shallow (decode with sm_120's "
                          "2-stage ring)")
     ap.add_argument("--shapes", choices=sorted(SHAPE_SETS), default="issue",
-                    help="issue: the compute-bound shapes of the README table; memory-bound: plain decode and short "
+                    help="issue: the compute-bound shapes of docs/results.md 6.1; memory-bound: plain decode and short "
                          "trees at few heads, judged by their share of copy bandwidth; crossover: 32-128 rows a "
                          "request, where auto changes kernels")
     ap.add_argument("--fp8", action="store_true")
@@ -303,10 +307,12 @@ def main() -> None:
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), copy_gbs=round(bw, 1), gemm_tflops=round(gemm, 1),
+            csrc = os.environ.get("VLLM_DDTREE_CSRC")
+            json.dump(dict(meta=run_meta(), device=torch.cuda.get_device_name(), copy_gbs=round(bw, 1),
+                           gemm_tflops=round(gemm, 1),
                            mma_sync_tflops=round(mma_sync, 1), rotate=args.rotate,
                            shapes=args.shapes, method="CUDA-graph replay, median over reps, per call",
-                           csrc=os.environ.get("VLLM_DDTREE_CSRC", "repository"), rows=rows), f, indent=1)
+                           csrc=repo_path(csrc) if csrc else "repository", rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

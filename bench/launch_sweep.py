@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kernel_mla import graph_time_us, random_tree_bits  # noqa: E402
+from meta import run_meta  # noqa: E402
 
 TAIL_SHAPES = [(1, 64, 9), (1, 64, 17), (1, 64, 33), (1, 64, 64), (16, 64, 9), (16, 64, 17), (16, 64, 33),
                (16, 64, 64), (8, 64, 16), (32, 16, 16), (1, 128, 16)]  # fmt: skip
@@ -143,7 +144,8 @@ def main() -> None:
     ap.add_argument("--out", default="")
     ap.add_argument("--reps", type=int, default=30)
     args = ap.parse_args()
-    result: dict = dict(device=torch.cuda.get_device_name(), method="CUDA-graph replay, median over reps, per call")
+    result: dict = dict(meta=run_meta(), device=torch.cuda.get_device_name(),
+                        method="CUDA-graph replay, median over reps, per call")
     for name, sweep in (("tail", tail_rows), ("topk", topk_rows), ("drafter_attention", drafter_attention_rows)):
         try:
             result[name] = sweep(args.reps)

@@ -1,9 +1,9 @@
 """PNG charts of the committed benchmark JSON (matplotlib, a plotting-only dependency: ``pip install matplotlib``).
 
-    python bench/plot.py step bench/results/step_time_h200_qwen3.json        # ddtree / chain step-time ratios
-    python bench/plot.py step bench/results/step_time_h200_kimi_mla.json
-    python bench/plot.py kernel bench/results/mla_kernel_h200_baselines.json # MLA verify kernel vs baselines
-    python bench/plot.py acceptance bench/results/acceptance_h200.json       # tok/s of the embedded pairs
+    python bench/plot.py step bench/results/step_time_h200_qwen3.json                # ddtree / chain step time
+    python bench/plot.py step bench/results/step_time_h200_kimi_mla_full_table.json
+    python bench/plot.py kernel bench/results/mla_kernel_h200_split_stream.json      # MLA verify vs baselines
+    python bench/plot.py acceptance bench/results/acceptance_h200.json               # tok/s of the embedded pairs
 
 Each writes ``<json name>.png`` beside the JSON.
 """

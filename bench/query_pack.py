@@ -17,6 +17,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/meta.py
+
+from meta import run_meta  # noqa: E402
 
 from bench.tree_ops import gpu_median_us  # noqa: E402
 from vllm_ddtree.mla_tree_tail import pack_context_query  # noqa: E402
@@ -58,8 +61,8 @@ def main() -> None:
               f"{r['speedup']:>7} {r['cat_tb_s']:>8} {r['pack_tb_s']:>9}")  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     machine = dict(gpu=torch.cuda.get_device_name(), host=platform.node(), torch=torch.__version__)
-    args.out.write_text(json.dumps(dict(machine=machine, timing="CUDA-graph replay, median us a call", rows=rows),
-                                   indent=1))  # fmt: skip
+    args.out.write_text(json.dumps(dict(meta=run_meta(), machine=machine, timing="CUDA-graph replay, median us a call",
+                                        rows=rows), indent=1))  # fmt: skip
     print(f"wrote {args.out}")
 
 

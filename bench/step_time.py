@@ -59,6 +59,7 @@ from engine_probes import (
     start_profiler,
     stop_profiler,
 )
+from meta import run_meta
 from paired_children import Child, core_sets, interleaved_rows
 
 DRAFT_LAYERS = 2
@@ -394,7 +395,7 @@ def _write(args: argparse.Namespace, rows: list[dict]) -> list[dict]:
             r.update(robust_ratios(r["samples_ms"], ref["samples_ms"] if ref else None, args.paired, key))
     arch, geometry, configs = TARGETS[args.target]
     args.out.write_text(json.dumps({
-        "machine": "H200", "target": {"name": args.target, "architecture": arch, **geometry},
+        "meta": run_meta(), "machine": "H200", "target": {"name": args.target, "architecture": arch, **geometry},
         "configs": {name: {"method": m, "target_backend": b or "auto", "runner": "V2" if v2 else "V1", "env": env}
                     for name, (m, b, v2, env) in configs.items()},
         "drafter": f"DFlash {DRAFT_LAYERS} layers, block {DRAFT_BLOCK}, dummy weights", "dtype": "bfloat16",

@@ -14,16 +14,21 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from vllm_ddtree.accept import walk_trees, walk_trees_torch
-from vllm_ddtree.draft_topk import topk_logprobs, topk_logprobs_reference
-from vllm_ddtree.kv_compact import KVCompactor
-from vllm_ddtree.tree import build_trees, build_trees_reference, build_trees_torch
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/meta.py
+
+from meta import run_meta  # noqa: E402
+
+from vllm_ddtree.accept import walk_trees, walk_trees_torch  # noqa: E402
+from vllm_ddtree.draft_topk import topk_logprobs, topk_logprobs_reference  # noqa: E402
+from vllm_ddtree.kv_compact import KVCompactor  # noqa: E402
+from vllm_ddtree.tree import build_trees, build_trees_reference, build_trees_torch  # noqa: E402
 
 D, K = 15, 8
 VOCAB = 4096
@@ -163,6 +168,7 @@ def main() -> None:
         print(" | ".join(f"{r.get(c, float('nan')):>14.1f}" if isinstance(r.get(c), float) else f"{r.get(c, '-'):>14}"
                          for c in cols))
     result = {
+        "meta": run_meta(),
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "host": platform.node(),

@@ -46,6 +46,7 @@ def test_rounds_combine_to_their_median_and_ratios_use_it(tmp_path: Path) -> Non
     assert by_method["dflash-v1"]["verify_graph_replays"] is None
     written = json.loads(args.out.read_text())
     assert written["rounds"] == 3 and written["rows"] == table and written["engines"] == "paired"
+    assert set(written["meta"]) == {"commit", "vllm", "torch", "gpu"}
 
 
 @pytest.mark.e2e

@@ -1,5 +1,5 @@
 """Train a DFlash block-diffusion drafter for a tiny stdlib target (Qwen3 or DeepSeek-V3/MLA); export it in the
-layout vLLM 0.26's ``qwen3_dflash`` loader reads unchanged (see shared/design/dflash-training.md, section 2).
+layout vLLM 0.26's ``qwen3_dflash`` loader reads unchanged (see docs/design/dflash-training.md).
 
 Why this shape: the drafter forward below re-implements vLLM's inference semantics exactly (context K/V from
 ``hidden_norm(fc(concat of target layer outputs))`` through each layer's own k_proj/k_norm/v_proj, no

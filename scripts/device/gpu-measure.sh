@@ -1,0 +1,140 @@
+#!/usr/bin/env bash
+# The H200 measurements of docs/results.md as a queue of stages. Each stage has two halves; with two GPUs the halves
+# run side by side, one lane per GPU, otherwise one after the other. Every bench and test is cut off after
+# $JOB_TIMEOUT seconds (560; bench JSON is written row by row, so a cut-off keeps what finished). Results and logs go
+# to $RESULTS (/tmp/ddtree-gpu).
+#   bash scripts/device/gpu-measure.sh STAGE...                 # run the stages now and wait
+#   bash scripts/device/gpu-measure.sh --background STAGE...    # start them in their own session and return at once
+#   bash scripts/device/gpu-measure.sh poll SECONDS             # wait, then print progress and pack $RESULTS
+# Stages:
+#   step-a       budgets 8 16: Qwen3-4B geometry | Kimi-K2-attention MLA (+ V1 chain; --paired)
+#   step-b       budgets 32 63, the same two targets
+#   acceptance   embedded pairs, budgets 8 16 32 63: GQA | MLA
+#   ops          tree ops incl. the drafter top-k | the MLA kernel (auto, portable, decode; all shapes) vs baselines
+#   tests        the gpu-marked tests: end to end + top-k | kernels and backends
+#   recheck      the GPU tests of the V2 host trims (context K/V + combine graphs, e2e GQA, MLA matches-target) and
+#                of the MLA query pack, then its bench (one lane)
+#   profile      Kimi-K2-attention MLA, budgets 8 16, 32k, batch 1: a torch.profiler table per config (V2 chain, ddtree)
+#   profile-b16  the same at budget 63, 4k, batch 16 (GPU-bound steps: where the verify's GPU time goes)
+#   profile-4k   the same at budgets 32 63, 4k, batch 1 (the batch-1 cells that miss 0.25x of the V1 chain)
+#   offsets      MLA budgets 16 8, batch 1: V2 chain + ddtree paired and pinned, 15 alternating repeats (one lane)
+#   offsets-wide the same at budgets 32 63
+#   v1-plain     MLA budgets 16 32 63, batch 1: vLLM's chain on V1 + TRITON_MLA as shipped (plugins off) and ddtree,
+#                paired and pinned, 9 alternating repeats
+#   jobs:FILE    the jobs listed in FILE, one per line: LANE NAME [K=V ...] ARGS... (runs python3 ARGS with those
+#                environment variables, e.g. VLLM_DDTREE_CSRC=DIR for a kernel A/B; $RESULTS expands; words split
+#                on blanks, so no quoted arguments)
+# The background form outlives the command that started it (a new process session), so a remote command of limited
+# length can start a long queue and later ones can poll it; poll packs everything into $OUT/results.tgz when $OUT is
+# set (one file: remote runners may return only a few).
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+RESULTS="${RESULTS:-/tmp/ddtree-gpu}"
+JOB_TIMEOUT="${JOB_TIMEOUT:-560}"
+export VLLM_USE_FLASHINFER_SAMPLER="${VLLM_USE_FLASHINFER_SAMPLER:-0}" HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" RESULTS
+cd "$ROOT"
+
+# jobs STAGE: one line per job, "LANE NAME [K=V ...] ARGS..." (python3 ARGS; LANE 0 or 1)
+jobs_of() {
+  local r=$RESULTS tag budgets
+  case "$1" in
+    step-a|step-b)
+      tag=${1#step-}; budgets="8 16"; [ "$1" = step-b ] && budgets="32 63"
+      echo "0 step_qwen3_$tag bench/step_time.py --target qwen3-4b --budgets $budgets --out $r/step_qwen3_$tag.json"
+      echo "1 step_kimi_$tag bench/step_time.py --target kimi-mla --configs none dflash dflash-v1" \
+           "dflash-v1-plain ddtree --budgets $budgets --paired --pin --repeats 9 --out $r/step_kimi_$tag.json" ;;
+    acceptance)
+      echo "0 acc_gqa bench/acceptance.py --pairs gqa --out $r/acc_gqa.json"
+      echo "1 acc_mla bench/acceptance.py --pairs mla --out $r/acc_mla.json" ;;
+    ops)
+      echo "0 tree_ops bench/tree_ops.py --out $r/tree_ops.json"
+      echo "1 kernel_mla bench/kernel_mla.py --baselines --variants auto,portable,decode --shapes all" \
+           "--out $r/kernel_mla.json" ;;
+    tests)
+      echo "0 tests_e2e -m pytest -q -s -m gpu -p no:cacheprovider tests/test_ddtree_gpu_e2e.py tests/test_draft_topk.py"
+      echo "1 tests_kernels -m pytest -q -s -m gpu -p no:cacheprovider --ignore tests/test_ddtree_gpu_e2e.py" \
+           "--ignore tests/test_draft_topk.py tests" ;;
+    recheck)
+      echo "0 tests_e2e -m pytest -q -s -m gpu -p no:cacheprovider tests/test_context_kv_graphs.py" \
+           "tests/test_ddtree_gpu_e2e.py"
+      echo "0 tests_mla -m pytest -q -s -m gpu -p no:cacheprovider tests/test_mla_backend_gpu.py" \
+           "-k matches_target_and_replays"
+      echo "0 tests_pack -m pytest -q -s -m gpu -p no:cacheprovider tests/test_mla_tree_tail.py -k pack"
+      echo "0 query_pack bench/query_pack.py --out $r/query_pack.json" ;;
+    profile)
+      echo "0 profile_kimi bench/step_time.py --target kimi-mla --configs dflash ddtree --budgets 8 16 --contexts 32768" \
+           "--batches 1 --profile $r/profile --out $r/profile_kimi.json" ;;
+    profile-b16)
+      echo "0 profile_kimi_b16 bench/step_time.py --target kimi-mla --configs dflash ddtree --budgets 63 --contexts 4096" \
+           "--batches 16 --profile $r/profile_b16 --out $r/profile_kimi_b16.json" ;;
+    profile-4k)
+      echo "0 profile_kimi_4k bench/step_time.py --target kimi-mla --configs dflash ddtree --budgets 32 63 --contexts 4096" \
+           "--batches 1 --profile $r/profile_4k --out $r/profile_kimi_4k.json" ;;
+    offsets)
+      echo "0 offsets bench/step_time.py --target kimi-mla --configs dflash ddtree --budgets 16 8 --batches 1" \
+           "--paired --pin --repeats 15 --out $r/offsets.json" ;;
+    offsets-wide)
+      echo "0 offsets_wide bench/step_time.py --target kimi-mla --configs dflash ddtree --budgets 32 63 --batches 1" \
+           "--paired --pin --repeats 15 --out $r/offsets_wide.json" ;;
+    v1-plain)
+      echo "0 step_v1_plain bench/step_time.py --target kimi-mla --configs dflash-v1-plain ddtree --budgets 16 32 63" \
+           "--batches 1 --paired --pin --pair-chains dflash-v1-plain --repeats 9 --out $r/step_v1_plain_b1.json" ;;
+    jobs:*)
+      [ -f "${1#jobs:}" ] || { echo "no job file '${1#jobs:}'" >&2; return 2; }
+      grep -v '^\s*\(#\|$\)' "${1#jobs:}" | sed "s|\$RESULTS|$r|g" ;;
+    *) echo "unknown stage '$1': step-a, step-b, acceptance, ops, tests, recheck, profile, profile-b16, profile-4k, offsets, offsets-wide," \
+            "v1-plain" \
+            "or jobs:FILE" >&2; return 2 ;;
+  esac
+}
+
+# lane N LANES STAGE...: this lane's jobs of every stage, in order (all jobs when there is one lane)
+lane() {
+  local n=$1 lanes=$2 stage l name start rc; shift 2
+  for stage in "$@"; do
+    while read -r l name args; do
+      [ "$lanes" -ge 2 ] && [ "$l" != "$n" ] && continue
+      start=$(date +%s)
+      local envs=() cmd=() tok
+      # shellcheck disable=SC2086
+      for tok in $args; do  # leading K=V words: environment of this job (A/B of kernel sources, knobs)
+        if [ ${#cmd[@]} -eq 0 ] && [[ $tok =~ ^[A-Za-z_][A-Za-z0-9_]*= ]]; then envs+=("$tok"); else cmd+=("$tok"); fi
+      done
+      timeout -k 20 "$JOB_TIMEOUT" env "${envs[@]}" python3 "${cmd[@]}" > "$RESULTS/$name.log" 2>&1 < /dev/null
+      rc=$?
+      echo "$name: rc $rc, $(( $(date +%s) - start )) s" >> "$RESULTS/done"
+    done < <(jobs_of "$stage")
+  done
+  echo "lane $n finished" >> "$RESULTS/done"
+}
+
+pack() { [ -n "${OUT:-}" ] && [ "$OUT" != "$RESULTS" ] && tar czf "$OUT/results.tgz" -C "$RESULTS" . 2>/dev/null; true; }
+
+case "${1:-}" in
+  poll)
+    sleep "${2:-60}"
+    cat "$RESULTS/done" 2>/dev/null
+    nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader
+    for f in "$RESULTS"/*.log; do [ -f "$f" ] && { echo "== $(basename "$f")"; tail -n 3 "$f" | cut -c1-200; }; done
+    pack ;;
+  lane) shift; lane "$@" ;;
+  "") sed -n '2,20p' "$0" >&2; exit 2 ;;
+  *)
+    background=0; [ "$1" = --background ] && { background=1; shift; }
+    for stage in "$@"; do jobs_of "$stage" > /dev/null || exit 2; done
+    mkdir -p "$RESULTS"
+    echo "--- $(date +%T) $*" >> "$RESULTS/done"
+    bash "$ROOT/scripts/device/gpu-check.sh" --install-only || exit 1
+    lanes=1; [ "$(nvidia-smi -L | wc -l)" -ge 2 ] && lanes=2
+    for ((n = 0; n < lanes; n++)); do
+      if [ $background = 1 ]; then
+        CUDA_VISIBLE_DEVICES=$n setsid nohup bash "$0" lane $n $lanes "$@" > "$RESULTS/lane$n.out" 2>&1 < /dev/null &
+      else
+        CUDA_VISIBLE_DEVICES=$n bash "$0" lane $n $lanes "$@" > "$RESULTS/lane$n.out" 2>&1 &
+      fi
+    done
+    if [ $background = 1 ]; then echo "started $lanes lane(s): $*; results in $RESULTS"; exit 0; fi
+    wait
+    cat "$RESULTS/done"
+    pack ;;
+esac
