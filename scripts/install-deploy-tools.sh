@@ -20,7 +20,7 @@ if [ ! -f "$STAMP" ]; then
   exec 9> "$VENV.lock"
   flock 9  # two test runs at once: the second waits, then finds the stamp
   if [ ! -f "$STAMP" ]; then
-    echo "[install-deploy-tools] creating $VENV (${PINS[*]}, ~200 MB download)"
+    echo "[install-deploy-tools] creating $VENV (${PINS[*]}; ~450 MB on disk, about half a minute)"
     rm -rf "$VENV"
     "$PY" -m venv "$VENV"
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check -c "$CONSTRAINTS" "${PINS[@]}" 2>&1 \
