@@ -88,7 +88,7 @@ def _decode(llm: object, prompts: list[dict], params: object, batch: int) -> lis
 def _warm_up(llm: object, prompts: list[dict], params: object, batch: int, reference: bool) -> list[list[float]]:
     """One untimed pass; for the reference (no speculation) with ``logprobs=2``, returning each position's gap
     between the best and the runner-up token (``vllm_ddtree.greedy_equality``)."""
-    from vllm_ddtree.greedy_equality import greedy_with_gaps
+    from kit.greedy_equality import greedy_with_gaps
 
     if not reference:
         _decode(llm, prompts, params, batch)
@@ -149,7 +149,7 @@ def summarize(rows: list[dict]) -> list[dict]:
     """Rows without token lists, with equality to and speed-up over no speculation (same pair and batch): how many
     sequences are identical, and how many first diverge at a near-tie of the reference vs elsewhere (a real
     difference; see ``vllm_ddtree.greedy_equality``)."""
-    from vllm_ddtree.greedy_equality import compare_greedy
+    from kit.greedy_equality import compare_greedy
 
     ref = {(r["pair"], r["batch"]): r for r in rows if r["method"] == "none"}
     chain = {(r["pair"], r["batch"]): r for r in rows if r["method"] == "dflash"}

@@ -85,7 +85,7 @@ class ProbeReading(NamedTuple):
 
 def install_probes(worker: Any) -> None:
     """A step clock and FULL-graph replay counters (verify, drafter; none on V1 runners) on the worker's runner."""
-    from vllm_ddtree.graph_replays import ReplayCounter
+    from vllm_ddtree.v2.graphs import ReplayCounter
 
     runner = worker.model_runner
     speculator = getattr(runner, "speculator", None)

@@ -3,8 +3,7 @@
 It serves an embedded pair from ``models/`` (see ``models/README.md``): on the CPU the tiny Qwen3 trained on the
 Python standard library and its DFlash drafter; on a GPU the tiny DeepSeek-V3 (MLA) one, verified by DDTree's MLA
 kernel under FULL CUDA graphs. It completes a held-out snippet and prints the completion, the mean acceptance length
-(tokens per verify step) and tokens/s. Without ``models/`` it falls back to the random-weight GQA pair of
-``vllm_ddtree.tiny_models`` (gibberish, acceptance ~1).
+(tokens per verify step) and tokens/s.
 """
 
 from __future__ import annotations
@@ -15,22 +14,19 @@ from pathlib import Path
 
 from openai import OpenAI
 
-from vllm_ddtree import tiny_models
 from vllm_ddtree.launch import mean_acceptance_length, openai_server, spec_decode_counters
 
 EMBEDDED = Path(__file__).resolve().parents[1] / "models"
-RANDOM_PAIR = Path.home() / ".cache/vllm-ddtree/demo-models-v2"
 PROMPT = 'def dumps(obj, *, skipkeys=False, ensure_ascii=True, indent=None):\n    """'
 
 
 def model_pair(gpu: bool) -> tuple[Path, Path]:
     name = "stdlib-mla-tiny" if gpu else "stdlib-qwen3-tiny"
     target, drafter = EMBEDDED / name, EMBEDDED / f"{name}-dflash"
-    if (target / "model.safetensors").exists() and (drafter / "model.safetensors").exists():
-        return target, drafter
-    if not (RANDOM_PAIR / "target" / "tokenizer.json").exists():
-        tiny_models.write_tiny_pair(RANDOM_PAIR)
-    return RANDOM_PAIR / "target", RANDOM_PAIR / "drafter"
+    for path in (target, drafter):
+        if not (path / "model.safetensors").exists():
+            raise SystemExit(f"{path}/model.safetensors is missing: the demo serves the pair committed in models/.")
+    return target, drafter
 
 
 def main() -> None:

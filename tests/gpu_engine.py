@@ -43,9 +43,8 @@ def generate(llm, batch_prompts: list[dict], batch: int, **params) -> list[list[
 
 def generate_with_margins(llm, batch_prompts: list[dict], batch: int) -> tuple[list[list[int]], list[list[float]]]:
     """Greedy tokens and, per position, the log-prob gap between the chosen token and the runner-up."""
+    from kit.greedy_equality import greedy_with_gaps
     from vllm import SamplingParams
-
-    from vllm_ddtree.greedy_equality import greedy_with_gaps
 
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
     return greedy_with_gaps(llm, batch_prompts, sp, batch)
@@ -54,7 +53,7 @@ def generate_with_margins(llm, batch_prompts: list[dict], batch: int) -> tuple[l
 def assert_equal_up_to_near_ties(label: str, got: list[list[int]], want: list[list[int]],
                                  gaps: list[list[float]]) -> None:
     """bf16 losslessness (``vllm_ddtree.greedy_equality``); prints what it saw."""
-    from vllm_ddtree.greedy_equality import compare_greedy
+    from kit.greedy_equality import compare_greedy
 
     seen = compare_greedy(got, want, gaps)
     print(f"{label}: {seen.identical}/{len(want)} identical; {len(seen.near_tie_gaps)} diverge at reference near-ties "

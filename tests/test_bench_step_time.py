@@ -54,9 +54,8 @@ def test_probes_reach_the_engine_process(tmp_path: Path, monkeypatch: pytest.Mon
     """The benches' step clock works where vLLM runs the model (a separate engine process, as when serving), and
     times the worker's part of each step."""
     from engine_probes import engine_process_env, install_probes, read_probes, run_on_worker, shut_down
+    from kit import tiny_models
     from vllm import LLM, SamplingParams
-
-    from vllm_ddtree import tiny_models
 
     for key, value in {**engine_process_env(inline=False), "VLLM_CPU_KVCACHE_SPACE": "1"}.items():
         monkeypatch.setenv(key, value)

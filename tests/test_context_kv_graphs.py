@@ -7,12 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_ddtree.context_kv_graphs import (
-    CombineGraphs,
-    ContextKVGraphs,
-    decode_context_sizes,
-    install_context_kv_graphs,
-)
+from vllm_ddtree.patches.v2 import install_context_kv_graphs
+from vllm_ddtree.v2.graphs import CombineGraphs, ContextKVGraphs, decode_context_sizes
 
 HIDDEN, HEAD, ROWS = 48, 16, 40
 
@@ -169,13 +165,13 @@ def test_the_speculator_hands_dflash_the_replayed_rows_or_the_auxiliary_states(r
 
     from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
-    from vllm_ddtree.speculator import DDTreeSpeculator
+    from vllm_ddtree.v2.speculator import DDTreeSpeculator
 
     handed: list[tuple[object, object]] = []
     monkeypatch.setattr(DFlashSpeculator, "propose",
                         lambda self, batch, meta, slots, last, aux, *rest: handed.append((last, aux)))  # fmt: skip
     speculator = object.__new__(DDTreeSpeculator)
-    speculator.pending_paths = None
+    speculator.step = SimpleNamespace(take_paths=lambda: None)
     speculator.hidden_states = torch.zeros(8, 4)
     offered: list[list[torch.Tensor]] = []
     speculator.combine_graphs = SimpleNamespace(replay=lambda aux: offered.append(aux) or replayed)

@@ -26,8 +26,8 @@ from vllm_ddtree.backends.cpu import (
     DDTreeCPUAttentionMetadataBuilder,
     cache_layout,
 )
-from vllm_ddtree.backends.tree_mask import TreeMaskBuffers, causal_bits, install_tree_masks
 from vllm_ddtree.config import DDTreeConfig
+from vllm_ddtree.tree_mask import TreeMaskBuffers, causal_bits, install_tree_masks
 
 NUM_HEADS, NUM_KV_HEADS, BLOCK_SIZE = 4, 2, 16
 LAYER = SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0)

@@ -25,7 +25,7 @@ def cpu_engine_env() -> None:
 
 @pytest.fixture(scope="module")
 def tiny_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    from vllm_ddtree import tiny_models
+    from kit import tiny_models
 
     root = tmp_path_factory.mktemp("ddtree_e2e")
     return tiny_models.write_target(root / "target"), tiny_models.write_dflash_drafter(root / "drafter", block_size=8)

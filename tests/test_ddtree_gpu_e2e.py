@@ -20,7 +20,7 @@ from gpu_engine import (
     shared_prefix_prompts,
 )
 
-from vllm_ddtree.graph_replays import ReplayCounter
+from vllm_ddtree.v2.graphs import ReplayCounter
 
 pytestmark = pytest.mark.gpu
 
@@ -40,7 +40,7 @@ def in_process_engine() -> None:
 
 @pytest.fixture(scope="module")
 def tiny_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    from vllm_ddtree import tiny_models
+    from kit import tiny_models
 
     root = tmp_path_factory.mktemp("ddtree_gpu")
     return tiny_models.write_target(root / "target"), tiny_models.write_dflash_drafter(root / "drafter", block_size=8)
@@ -55,7 +55,7 @@ def reference(tiny_pair) -> list[list[int]]:
 def test_greedy_ddtree_matches_target_and_replays_full_graphs(tiny_pair, reference, budget: int) -> None:
     from vllm import LLM
 
-    from vllm_ddtree.speculator import DDTreeSpeculator
+    from vllm_ddtree.v2.speculator import DDTreeSpeculator
 
     spec = {"method": "ddtree", "model": str(tiny_pair[1]), "num_speculative_tokens": budget}
     llm = LLM(model=str(tiny_pair[0]), speculative_config=spec, **ENGINE)

@@ -16,7 +16,7 @@ MAX_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def tiny_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    from vllm_ddtree import tiny_models
+    from kit import tiny_models
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

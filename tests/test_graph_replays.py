@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from vllm_ddtree.graph_replays import ReplayCounter
+from vllm_ddtree.v2.graphs import ReplayCounter
 
 
 def test_counts_replays_of_one_instance_and_keeps_their_results() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from vllm_ddtree.greedy_equality import NEAR_TIE, compare_greedy, greedy_with_gaps, top2_gaps
+from kit.greedy_equality import NEAR_TIE, compare_greedy, greedy_with_gaps, top2_gaps
 
 
 def test_top2_gaps_from_vllm_logprobs() -> None:

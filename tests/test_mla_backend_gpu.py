@@ -25,9 +25,9 @@ from gpu_engine import (
     runner,
     shared_prefix_prompts,
 )
+from kit.tiny_models import HEAD_DIM, HEADS, KV_HEADS
 
-from vllm_ddtree.graph_replays import ReplayCounter
-from vllm_ddtree.tiny_models import HEAD_DIM, HEADS, KV_HEADS
+from vllm_ddtree.v2.graphs import ReplayCounter
 
 pytestmark = pytest.mark.gpu
 
@@ -46,7 +46,7 @@ def in_process_engine() -> None:
 
 @pytest.fixture(scope="module")
 def mla_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    from vllm_ddtree import tiny_models
+    from kit import tiny_models
 
     root = tmp_path_factory.mktemp("mla")
     return tiny_models.write_mla_target(root / "target"), tiny_models.write_dflash_drafter(root / "drafter")
@@ -112,7 +112,7 @@ def test_ddtree_mla_matches_target_and_replays_full_graphs(mla_pair, custom_refe
     from vllm import LLM
 
     from vllm_ddtree.backends.mla import DDTreeMLABackend
-    from vllm_ddtree.speculator import DDTreeSpeculator
+    from vllm_ddtree.v2.speculator import DDTreeSpeculator
 
     want, margins = custom_reference(kv_cache_dtype, context)  # before this test's engine: one engine at a time
     monkeypatch.setenv("DDTREE_MLA_CONTEXT", context)

@@ -65,7 +65,7 @@ def test_a_new_runner_never_reads_a_predecessors_tree_masks(seams: str, runner_m
 
     import torch
 
-    from vllm_ddtree.backends.tree_mask import TreeMaskBuffers, current_tree_masks, install_tree_masks
+    from vllm_ddtree.tree_mask import TreeMaskBuffers, current_tree_masks, install_tree_masks
 
     runner_cls = importlib.import_module(runner_module).GPUModelRunner
     seen: list[object] = []
@@ -181,7 +181,7 @@ def test_v2_target_step_builds_metadata_for_target_groups_only(monkeypatch: pyte
         return attn_groups, for_capture
 
     monkeypatch.setattr(DefaultModelState, "_orig_prepare_attn", built, raising=False)
-    state = SimpleNamespace(ddtree_target_attn_groups=(runner_groups, kept))
+    state = SimpleNamespace(ddtree_step=SimpleNamespace(attn_groups=(runner_groups, kept)))
     assert v2_seams._model_state_prepare_attn(state, None, None, None, None, runner_groups, None, True) == (kept, True)
     other = [[target_mla], [drafter_fa]]
     assert v2_seams._model_state_prepare_attn(state, None, None, None, None, other, None) == (other, False)

@@ -20,8 +20,8 @@ CHECK = textwrap.dedent(
     import numpy as np
     import torch
     from test_verify_layout import verify_batch
-    from vllm_ddtree import sampler as sampler_module
-    from vllm_ddtree.sampler import DDTreeRejectionSampler
+    from vllm_ddtree.v2 import sampler as sampler_module
+    from vllm_ddtree.v2.sampler import DDTreeRejectionSampler
 
     def num_sampled_and_rejected(num_sampled, seq_lens, cu_num_logits, idx_mapping, prefill_len):
         return num_sampled, (cu_num_logits[1:] - cu_num_logits[:-1]).to(num_sampled.dtype) - num_sampled
@@ -41,7 +41,7 @@ CHECK = textwrap.dedent(
         )
         tree_sampler = object.__new__(DDTreeRejectionSampler)
         tree_sampler.sampler, tree_sampler.budget, tree_sampler.max_depth = sampler, trees.parents.shape[1] - 1, 6
-        tree_sampler._speculator = SimpleNamespace(trees=trees, pending_paths=None)
+        tree_sampler._step = SimpleNamespace(trees=trees, pending_paths=None)
         tree_sampler._compactors, tree_sampler._block_tables = [], None
         batch = SimpleNamespace(
             input_ids=inputs.to(torch.int32), logits_indices=torch.arange(rows), positions=torch.arange(rows),
@@ -54,7 +54,7 @@ CHECK = textwrap.dedent(
         assert torch.equal(out.num_sampled, (want.num_accepted + 1).to(torch.int32)), seed
         num_logits = step["cu_num_logits"][1:] - step["cu_num_logits"][:-1]
         assert torch.equal(out.num_rejected, num_logits - out.num_sampled), seed
-        assert torch.equal(tree_sampler._speculator.pending_paths.accepted_nodes, want.accepted_nodes), seed
+        assert torch.equal(tree_sampler._step.pending_paths.accepted_nodes, want.accepted_nodes), seed
     print("ok")
     """
 )

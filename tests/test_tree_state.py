@@ -10,7 +10,7 @@ import torch
 
 from vllm_ddtree.config import DDTreeConfig
 from vllm_ddtree.tree import DraftTrees, build_trees
-from vllm_ddtree.tree_state import DDTreeStepState, needs_chain
+from vllm_ddtree.v1.step_state import V1StepState, needs_chain
 
 
 def _metadata(**overrides: object) -> SimpleNamespace:
@@ -37,8 +37,8 @@ def test_sequence_features_force_chains() -> None:
     assert needs_chain(_metadata(logitsprocs=unknown), False)
 
 
-def _state() -> DDTreeStepState:
-    return DDTreeStepState(DDTreeConfig(budget=4, topk=2, max_depth=3), max_num_reqs=4, device=torch.device("cpu"))
+def _state() -> V1StepState:
+    return V1StepState(DDTreeConfig(budget=4, topk=2, max_depth=3), max_num_reqs=4, device=torch.device("cpu"))
 
 
 def _trees(batch: int) -> DraftTrees:

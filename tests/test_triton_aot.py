@@ -51,7 +51,7 @@ def test_walk_kernel_compiles(arch: int) -> None:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_path_context_kernel_compiles(arch: int) -> None:
-    from vllm_ddtree.verify_layout import _path_context_kernel
+    from vllm_ddtree.v2.verify_layout import _path_context_kernel
 
     signature = {"positions": "*i64", "h0": "*bf16", "h1": "*bf16", "h2": "*bf16", "h3": "*bf16", "row_stride": "i32",
                  "dim": "i32", "query_start_loc": "*i32", "cu_num_logits": "*i32", "idx_mapping": "*i32",
@@ -112,7 +112,7 @@ def test_mla_context_merge_kernel_compiles(arch: int, heads: int) -> None:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_verify_layout_kernel_compiles(arch: int) -> None:
-    from vllm_ddtree.verify_layout import _verify_layout_kernel
+    from vllm_ddtree.v2.verify_layout import _verify_layout_kernel
 
     signature = {"positions": "*i64", "token_bits": "*i64", "query_start_loc": "*i32", "cu_num_logits": "*i32",
                  "idx_mapping": "*i32", "tree_depth": "*i64", "tree_anc": "*i64", "tree_stride": "i32"}  # fmt: skip

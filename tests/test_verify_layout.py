@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from vllm_ddtree.accept import AcceptedPaths
-from vllm_ddtree.backends.tree_mask import causal_bits
 from vllm_ddtree.tree import build_trees_torch
-from vllm_ddtree.tree_state import TreeBuffers
+from vllm_ddtree.tree_mask import causal_bits
+from vllm_ddtree.v2.step_state import TreeBuffers
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -60,7 +60,7 @@ def random_batch(seed: int, device: str = "cpu") -> tuple[dict, TreeBuffers]:
 def test_reference_layout_semantics() -> None:
     step = random_step(3)
     linear = step["positions"].clone()
-    from vllm_ddtree.verify_layout import verify_layout_reference
+    from vllm_ddtree.v2.verify_layout import verify_layout_reference
 
     verify_layout_reference(**step)
     qsl, cu = step["query_start_loc"], step["cu_num_logits"]
@@ -78,7 +78,7 @@ def test_reference_layout_semantics() -> None:
 
 
 def test_path_permutation_puts_path_rows_in_order() -> None:
-    from vllm_ddtree.verify_layout import path_permutation
+    from vllm_ddtree.accept import path_permutation
 
     accepted = torch.tensor([[0, 2, 5, -1], [0, -1, -1, -1], [0, 1, 3, 4]])
     paths = AcceptedPaths(accepted, torch.tensor([2, 0, 3]), torch.zeros(3, 8, dtype=torch.int64))
@@ -137,7 +137,7 @@ def test_walk_verify_batch_reference_matches_per_request_oracle() -> None:
 
 
 def test_move_path_rows_reference_is_the_path_permutation_gather() -> None:
-    from vllm_ddtree.verify_layout import path_permutation
+    from vllm_ddtree.accept import path_permutation
 
     accepted = torch.tensor([[0, 2, 5, -1], [0, -1, -1, -1], [0, 1, 3, 4]])
     paths = AcceptedPaths(accepted, torch.tensor([2, 0, 3]), torch.zeros(3, 8, dtype=torch.int64))
@@ -160,7 +160,7 @@ INTERPRETER_CHECK = textwrap.dedent(
     """
     import torch
     from test_verify_layout import random_step
-    from vllm_ddtree.verify_layout import verify_layout_reference, write_verify_layout
+    from vllm_ddtree.v2.verify_layout import verify_layout_reference, write_verify_layout
 
     for seed in range(40):
         want, got = random_step(seed), random_step(seed)
@@ -171,7 +171,8 @@ INTERPRETER_CHECK = textwrap.dedent(
 
     from test_verify_layout import verify_batch
     from vllm_ddtree.accept import walk_verify_batch
-    from vllm_ddtree.verify_layout import path_permutation, restore_path_context
+    from vllm_ddtree.accept import path_permutation
+    from vllm_ddtree.v2.verify_layout import restore_path_context
 
     for seed in range(20):
         step, trees, picks, inputs, want = verify_batch(seed)
@@ -206,7 +207,7 @@ def test_triton_layout_kernel_matches_reference() -> None:
 
 @pytest.mark.gpu
 def test_cuda_layout_kernel_matches_reference() -> None:
-    from vllm_ddtree.verify_layout import verify_layout_reference, write_verify_layout
+    from vllm_ddtree.v2.verify_layout import verify_layout_reference, write_verify_layout
 
     for seed in range(40):
         want, got = random_step(seed), random_step(seed, "cuda")
@@ -218,8 +219,8 @@ def test_cuda_layout_kernel_matches_reference() -> None:
 
 @pytest.mark.gpu
 def test_cuda_walk_and_path_rows_match_the_oracle() -> None:
-    from vllm_ddtree.accept import walk_verify_batch
-    from vllm_ddtree.verify_layout import path_permutation, restore_path_context, write_verify_layout
+    from vllm_ddtree.accept import path_permutation, walk_verify_batch
+    from vllm_ddtree.v2.verify_layout import restore_path_context, write_verify_layout
 
     for seed in range(20):
         step, trees, picks, inputs, want = verify_batch(seed)
@@ -253,7 +254,7 @@ def test_mla_backend_causal_words_per_token() -> None:
 
 
 def test_chain_rows_get_the_argmax_chain_and_nothing_else() -> None:
-    from vllm_ddtree.speculator import build_trees_with_chains
+    from vllm_ddtree.v2.speculator import build_trees_with_chains
 
     gen = torch.Generator().manual_seed(0)
     lp = torch.log_softmax(torch.randn(3, 5, 4, generator=gen), -1).sort(-1, descending=True).values

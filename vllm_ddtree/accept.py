@@ -279,3 +279,18 @@ def sampled_walk(
     Lossless because every emitted token is a draw from the target under its exact ancestor context.
     """
     return walk_trees(node_tokens, parents, anc_bits, num_nodes, sample_per_node(target_probs, generator), max_depth)
+
+
+def path_permutation(logits_start: torch.Tensor, paths: AcceptedPaths, num_tokens: int) -> torch.Tensor:
+    """``[num_tokens]`` gather index that puts each request's accepted path in path order: row ``root + k`` takes
+    the row of the path's node at depth ``k`` (``k <= a``); every other row keeps its own. Static shapes, no sync."""
+    device = logits_start.device
+    depth = torch.arange(paths.accepted_nodes.shape[1], device=device)
+    keep = (depth[None, :] <= paths.num_accepted[:, None]) & (paths.accepted_nodes >= 0)
+    start = logits_start.to(torch.int64)[:, None]
+    trash = torch.full_like(paths.accepted_nodes, num_tokens)
+    dst = torch.where(keep, start + depth[None, :], trash)
+    src = torch.where(keep, start + paths.accepted_nodes, trash)
+    index = torch.arange(num_tokens + 1, device=device)
+    index.scatter_(0, dst.flatten(), src.flatten())
+    return index[:num_tokens]

@@ -58,13 +58,11 @@ def register() -> None:
 
 
 def _register_cpu() -> None:
-    """vLLM-CPU runs Model Runner V1: the V1 adapter plus the tree-aware CPU attention in CPU_ATTN's slot."""
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-
+    """vLLM-CPU runs Model Runner V1: its expand kernel fixed, the V1 adapter plus the tree-aware CPU attention in
+    CPU_ATTN's slot."""
     from vllm_ddtree.patches import cpu_kernels
     from vllm_ddtree.patches import v1 as v1_patches
 
-    register_backend(AttentionBackendEnum.CPU_ATTN, "vllm_ddtree.backends.cpu.DDTreeCPUAttentionBackend")
     cpu_kernels.apply()
     v1_patches.apply()
 
@@ -73,11 +71,8 @@ def _register_cuda() -> None:
     """GPUs run Model Runner V2: the V2 seams plus the tree-attention backends in vLLM's CUSTOM slot (GQA by
     default; the backend selector switches it to the MLA one for MLA layers), and FlashAttention metadata planned
     with each group's own geometry (the DFlash drafter's, not the target's)."""
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-
     from vllm_ddtree.patches import fa_geometry
     from vllm_ddtree.patches import v2 as v2_patches
 
-    register_backend(AttentionBackendEnum.CUSTOM, v2_patches.GQA_BACKEND)
     v2_patches.apply()
     fa_geometry.apply()

@@ -4,7 +4,7 @@ The CPU platform only ever selects ``CPU_ATTN``, so the plugin swaps this backen
 ``register_backend(AttentionBackendEnum.CPU_ATTN, "vllm_ddtree.backends.cpu.DDTreeCPUAttentionBackend")``.
 
 Every row first goes through CPU_ATTN unchanged (KV-cache write and causal attention). Then, for causal metadata
-while the runner's :class:`~vllm_ddtree.backends.tree_mask.TreeMaskBuffers` are installed and active, rows with
+while the runner's :class:`~vllm_ddtree.tree_mask.TreeMaskBuffers` are installed and active, rows with
 ``2 <= q_len <= width`` are recomputed in torch (fp32) with the tree mask: query ``i`` sees every key before the
 last ``q_len`` keys, and tail key ``j`` iff bit ``j`` of ``anc_bits[b, i]`` is set. Non-causal metadata, metadata
 built for the drafter (``build_for_drafting``), prefill chunks, single-token decodes and inactive steps are exactly
@@ -33,8 +33,8 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from vllm_ddtree.backends.tree_mask import current_tree_masks
 from vllm_ddtree.config import get_ddtree_config
+from vllm_ddtree.tree_mask import current_tree_masks
 
 _DIGIT = 16
 """Probe digit base: 1..16 are exact in every float dtype CPU_ATTN caches (fp32, bf16, fp16)."""

@@ -31,7 +31,7 @@ from vllm.model_executor.layers.attention.mla_attention import (
 )
 from vllm.v1.attention.backend import AttentionCGSupport, MultipleOf
 
-from vllm_ddtree.backends.tree_mask import MAX_TREE_WIDTH, causal_bits, current_tree_masks
+from vllm_ddtree.tree_mask import MAX_TREE_WIDTH, causal_bits, current_tree_masks
 
 KV_LORA_RANK = 512
 ROPE_DIM = 64

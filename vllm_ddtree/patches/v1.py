@@ -2,7 +2,8 @@
 
 * ``GPUModelRunner.__init__``: build ``DDTreeProposer`` where vLLM builds its ``DFlashProposer`` (the module global
   is swapped only during construction, so vLLM's ``isinstance(drafter, DFlashProposer)`` checks keep working),
-  after clearing the process's tree masks (an engine built after a ddtree engine must not read its stale words).
+  after clearing the process's tree masks (an engine built after a ddtree engine must not read its stale words);
+  then the tree rejection sampler takes the place of vLLM's, and the runner keeps the proposer's step state.
 * ``GPUModelRunner._prepare_inputs``: after vLLM computed slot mappings from linear positions, rewrite the tree
   rows' RoPE positions to ``base + depth`` in place and fill the batch-ordered ancestor masks. The paths of the
   previous step's tree walk are dropped first: they belong to that step's batch, and vLLM skips the drafter that
@@ -18,16 +19,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_ddtree.backends.tree_mask import install_tree_masks
 from vllm_ddtree.config import get_ddtree_config
 from vllm_ddtree.patches import patch_attr
-from vllm_ddtree.tree_state import needs_chain
+from vllm_ddtree.tree_mask import install_tree_masks
+from vllm_ddtree.v1.step_state import needs_chain
 
 
 def _runner_init(self: Any, vllm_config: Any, device: Any, *args: Any, **kwargs: Any) -> None:
     from vllm.v1.worker import gpu_model_runner
 
-    from vllm_ddtree.speculator import DDTreeProposer
+    from vllm_ddtree.v1.proposer import DDTreeProposer
+    from vllm_ddtree.v1.sampler import DDTreeRejectionSamplerV1
 
     install_tree_masks(None)  # a ddtree runner installs its own; no other engine may read a predecessor's
     orig = gpu_model_runner.GPUModelRunner._orig___init__
@@ -40,6 +42,9 @@ def _runner_init(self: Any, vllm_config: Any, device: Any, *args: Any, **kwargs:
         orig(self, vllm_config, device, *args, **kwargs)
     finally:
         gpu_model_runner.DFlashProposer = dflash
+    state = self.drafter.state
+    self._ddtree_state = state
+    self.rejection_sampler = DDTreeRejectionSamplerV1(self.sampler, self.speculative_config, device, state, self)
 
 
 def _prepare_inputs(self: Any, scheduler_output: Any, num_scheduled_tokens: Any) -> Any:
@@ -91,10 +96,15 @@ def _bookkeeping_sync(self: Any, *args: Any, **kwargs: Any) -> Any:
             generators[i] = generator
 
 
+CPU_BACKEND = "vllm_ddtree.backends.cpu.DDTreeCPUAttentionBackend"
+
+
 def apply() -> None:
-    """Install the V1 runner seams (idempotent)."""
+    """Install the V1 runner seams and the tree-aware CPU attention in CPU_ATTN's slot (idempotent)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
+    register_backend(AttentionBackendEnum.CPU_ATTN, CPU_BACKEND)
     patch_attr(GPUModelRunner, "__init__", _runner_init)
     patch_attr(GPUModelRunner, "_prepare_inputs", _prepare_inputs)
     patch_attr(GPUModelRunner, "_bookkeeping_sync", _bookkeeping_sync)

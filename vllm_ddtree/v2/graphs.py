@@ -11,7 +11,8 @@ tokens; other sizes, and calls on other tensors (dummy runs, profiling), run eag
 The hidden rows themselves come from DFlash's combine of the target's auxiliary hidden states (concatenate, one
 ``fc`` GEMM, a copy into its persistent buffer), eager too; on Model Runner V2 a decode step's auxiliary states are
 views of the target graph manager's persistent output buffers, so ``CombineGraphs`` captures the combine for the
-same sizes on those buffers.
+same sizes on those buffers. ``ReplayCounter`` counts a graph manager's FULL replays (GPU tests, benches), which
+shows whether decode steps ran captured.
 """
 
 from __future__ import annotations
@@ -150,25 +151,17 @@ def decode_context_sizes(width: int, max_num_reqs: int, max_tokens: int) -> list
     return [r * width for r in range(1, max_num_reqs + 1) if r * width <= max_tokens]
 
 
-def install_context_kv_graphs(model: Any, states: torch.Tensor, positions: torch.Tensor, slot_rows: torch.Tensor,
-                              layer_groups: list[int] | None, sizes: Iterable[int]) -> ContextKVGraphs | None:
-    """Capture ``model``'s context K/V write for ``sizes`` on DFlash's persistent buffers (hidden rows, positions,
-    one context-slot row per KV-cache group; ``layer_groups`` maps each drafter layer to its row, None when all
-    share row 0) and put the graphs in the write's place (an instance attribute: nothing in vLLM's classes changes;
-    a second capture replaces the first, whose graphs would hold stale cache addresses). None when the drafter has
-    no such write."""
-    precompute = getattr(model, "precompute_and_store_context_kv", None)
-    if isinstance(precompute, ContextKVGraphs):
-        precompute = precompute.original
-    if precompute is None:
-        return None
+class ReplayCounter:
+    """Counts calls of one manager instance's ``run_fullgraph`` (none for ``None``: V1 runners have no manager)."""
 
-    def slots_for(n: int) -> Slots:
-        if layer_groups is not None:
-            return [slot_rows[g][:n] for g in layer_groups]
-        return slot_rows[0][:n]
+    def __init__(self, manager: Any | None) -> None:
+        self.count = 0
+        if manager is None:
+            return
+        run = manager.run_fullgraph
 
-    graphs = ContextKVGraphs(precompute, states, positions, slot_rows, slots_for)
-    graphs.capture(sizes)
-    model.precompute_and_store_context_kv = graphs
-    return graphs
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.count += 1
+            return run(*args, **kwargs)
+
+        manager.run_fullgraph = counted

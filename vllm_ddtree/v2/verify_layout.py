@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from vllm_ddtree.accept import AcceptedPaths
-from vllm_ddtree.backends.tree_mask import MAX_TREE_WIDTH, causal_bits
+from vllm_ddtree.tree_mask import MAX_TREE_WIDTH, causal_bits
 
 
 @triton.jit
@@ -85,21 +85,6 @@ def verify_layout_reference(positions: torch.Tensor, token_bits: torch.Tensor, q
             root = q_end - num_logits
             token_bits[root : root + num_logits] = tree_anc[rsi, :num_logits]
             positions[root : root + num_logits] = positions[root] + tree_depth[rsi, :num_logits]
-
-
-def path_permutation(logits_start: torch.Tensor, paths: AcceptedPaths, num_tokens: int) -> torch.Tensor:
-    """``[num_tokens]`` gather index that puts each request's accepted path in path order: row ``root + k`` takes
-    the row of the path's node at depth ``k`` (``k <= a``); every other row keeps its own. Static shapes, no sync."""
-    device = logits_start.device
-    depth = torch.arange(paths.accepted_nodes.shape[1], device=device)
-    keep = (depth[None, :] <= paths.num_accepted[:, None]) & (paths.accepted_nodes >= 0)
-    start = logits_start.to(torch.int64)[:, None]
-    trash = torch.full_like(paths.accepted_nodes, num_tokens)
-    dst = torch.where(keep, start + depth[None, :], trash)
-    src = torch.where(keep, start + paths.accepted_nodes, trash)
-    index = torch.arange(num_tokens + 1, device=device)
-    index.scatter_(0, dst.flatten(), src.flatten())
-    return index[:num_tokens]
 
 
 MAX_HIDDENS = 4  # hidden tensors per launch of the path-context kernel (DFlash reads 3-5 target layers)

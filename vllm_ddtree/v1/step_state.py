@@ -1,4 +1,5 @@
-"""State the V1 (CPU) seams hand each other: trees proposed last step, this step's batch-ordered trees, the paths.
+"""The V1 (vLLM-CPU) step state the seams hand each other: trees proposed last step, this step's batch-ordered trees,
+the accepted paths.
 
 Order of one step: ``_prepare_inputs`` hook (trees of the scheduled requests → depth positions, ancestor masks) →
 tree rejection sampler (walk + KV compaction → accepted paths) → proposer (drafter context from the paths → next
@@ -14,9 +15,9 @@ from typing import Any
 import torch
 
 from vllm_ddtree.accept import AcceptedPaths
-from vllm_ddtree.backends.tree_mask import TreeMaskBuffers, causal_bits, install_tree_masks
 from vllm_ddtree.config import DDTreeConfig
 from vllm_ddtree.tree import DraftTrees
+from vllm_ddtree.tree_mask import TreeMaskBuffers, causal_bits, install_tree_masks
 
 
 def _logits_processor_active(processor: Any) -> bool:
@@ -57,7 +58,7 @@ class BatchTrees:
     chain_only: bool  # every row is verified as a chain: vLLM's own rejection sampler applies
 
 
-class DDTreeStepState:
+class V1StepState:
     """Per-worker DDTree state shared by the runner hook, the tree sampler and the proposer."""
 
     def __init__(self, config: DDTreeConfig, max_num_reqs: int, device: torch.device) -> None:
@@ -143,51 +144,3 @@ class DDTreeStepState:
         """A step without drafts: plain causal attention, and the last proposal is void."""
         self.end_step()
         self._forget_proposal()
-
-
-class TreeBuffers:
-    """Model Runner V2's persistent draft trees, one row per request state (``req_state_idx``), plus a trash row.
-
-    The drafter's CUDA graph writes the trees it builds at ``idx_mapping[b]``; padded graph rows carry index -1 and
-    land in the trash row (the last one), so they never overwrite a live request's tree. The next verify step reads
-    the rows of its batch's request states. ``chain[r]`` marks requests whose sampling features read drafts as one
-    sequence (logprobs, penalties, bad words, structured output): their trees are built from the top-1 chain.
-    """
-
-    def __init__(self, max_num_reqs: int, budget: int, device: torch.device) -> None:
-        rows, width = max_num_reqs + 1, budget + 1
-        self.trash_row = max_num_reqs
-        self.parents = torch.full((rows, width), -1, dtype=torch.int64, device=device)
-        self.depth = torch.zeros(rows, width, dtype=torch.int64, device=device)
-        self.anc_bits = causal_bits(width, device).repeat(rows, 1)
-        self.num_nodes = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.chain = torch.zeros(rows, dtype=torch.bool, device=device)
-
-    def rows(self, idx_mapping: torch.Tensor) -> torch.Tensor:
-        """Buffer rows for a batch's request-state indices (-1, a padded row, maps to the trash row)."""
-        idx = idx_mapping.to(torch.int64)
-        return torch.where(idx >= 0, idx, self.trash_row)
-
-    def store(self, idx_mapping: torch.Tensor, trees: DraftTrees) -> None:
-        """Write a batch of trees at their request states (graph-safe: index_copy_, no host reads)."""
-        rows = self.rows(idx_mapping)
-        self.parents.index_copy_(0, rows, trees.parents)
-        self.depth.index_copy_(0, rows, trees.depth)
-        self.anc_bits.index_copy_(0, rows, trees.anc_bits)
-        self.num_nodes.index_copy_(0, rows, trees.num_nodes)
-
-
-def request_needs_chain(sampling_params: Any) -> bool:
-    """Whether a request uses a feature whose vLLM (V2) implementation reads its drafts as one sequence: logprobs,
-    penalties (they count the earlier drafts), bad words (they match draft prefixes) and structured output (the
-    grammar walks the drafts). Such requests are drafted and verified as top-1 chains, exactly as vLLM does."""
-    if sampling_params is None:
-        return False
-    return (
-        sampling_params.logprobs is not None
-        or sampling_params.presence_penalty != 0.0
-        or sampling_params.frequency_penalty != 0.0
-        or sampling_params.repetition_penalty != 1.0
-        or bool(getattr(sampling_params, "bad_words", None))
-        or getattr(sampling_params, "structured_outputs", None) is not None
-    )

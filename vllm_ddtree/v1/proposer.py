@@ -1,0 +1,90 @@
+"""Model Runner V1's DDTree drafter (vLLM-CPU; CI runs DDTree end to end through it).
+
+``DDTreeProposer`` is a ``DFlashProposer`` whose drafter pass always predicts ``max_depth`` positions, whatever the
+node budget, and whose output is the ``[B, budget]`` node tokens of the trees in topological order. Before drafting
+it rewrites the drafter's context to the accepted path: the target hidden states of path nodes are permuted into
+path order and positions are made linear again, so DFlash sees exactly the history the scheduler believes in.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.v1.spec_decode.dflash import DFlashProposer
+
+from vllm_ddtree.accept import AcceptedPaths, path_permutation
+from vllm_ddtree.config import DDTreeConfig, get_ddtree_config
+from vllm_ddtree.draft_topk import topk_logprobs
+from vllm_ddtree.tree import DraftTrees, build_trees
+from vllm_ddtree.v1.step_state import V1StepState, needs_chain
+
+
+def path_context(hidden: torch.Tensor, positions: torch.Tensor, query_start_loc: torch.Tensor,
+                 paths: AcceptedPaths) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drafter context after a tree verify: hidden rows in path order, linear positions (base + row)."""
+    batch = paths.num_accepted.shape[0]
+    qsl = query_start_loc[: batch + 1].to(torch.int64)
+    index = path_permutation(qsl[:-1], paths, hidden.shape[0])
+    lengths = qsl[1:] - qsl[:-1]
+    starts = torch.repeat_interleave(qsl[:-1], lengths, output_size=int(qsl[-1]))
+    base = torch.repeat_interleave(positions[qsl[:-1]], lengths, output_size=int(qsl[-1]))
+    linear = positions.clone()
+    linear[: int(qsl[-1])] = base + torch.arange(int(qsl[-1]), device=positions.device) - starts
+    return hidden[index], linear
+
+
+class DDTreeProposer(DFlashProposer):
+    """V1 DFlash proposer that drafts DDTree trees (used on vLLM-CPU)."""
+
+    def __init__(self, vllm_config: Any, device: torch.device, runner: Any = None) -> None:
+        ddtree = get_ddtree_config(vllm_config)
+        assert ddtree is not None, "DDTreeProposer needs a ddtree speculative config"
+        # Buffers sized for budget+1 queries per request also hold the drafter's 1+max_depth (max_depth <= budget).
+        super().__init__(vllm_config, device, runner)
+        self.ddtree: DDTreeConfig = ddtree
+        self.runner = runner
+        self.state = V1StepState(ddtree, vllm_config.scheduler_config.max_num_seqs, device)
+        self._trees: DraftTrees | None = None
+        self._chain = False
+
+    def _greedy_sample(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Instead of DFlash's argmax chain: per-depth top-k of the drafter's D positions, then the trees (the
+        argmax chain itself, K = 1, for batches that must be verified as chains)."""
+        depth, budget = self.ddtree.max_depth, self.ddtree.budget
+        logits = self.model.compute_logits(hidden_states)
+        logprobs, ids = topk_logprobs(logits, 1 if self._chain else self.ddtree.topk)
+        batch = hidden_states.shape[0] // depth
+        self._trees = build_trees(logprobs.view(batch, depth, -1), ids.view(batch, depth, -1), budget)
+        return ids[:, 0]
+
+    def _has_structured_output(self, batch: int) -> bool:
+        requests = self.runner.requests
+        return any(
+            getattr(requests[req_id].sampling_params, "structured_outputs", None) is not None
+            for req_id in self.runner.input_batch.req_ids[:batch]
+            if req_id in requests and requests[req_id].sampling_params is not None
+        )
+
+    def propose(self, num_speculative_tokens: int, target_token_ids: torch.Tensor, target_positions: torch.Tensor,
+                target_hidden_states: torch.Tensor, next_token_ids: torch.Tensor,
+                token_indices_to_sample: torch.Tensor | None, common_attn_metadata: Any, sampling_metadata: Any,
+                mm_embed_inputs: Any = None, num_rejected_tokens_gpu: torch.Tensor | None = None,
+                slot_mappings: Any = None) -> torch.Tensor:
+        self._chain = needs_chain(sampling_metadata, self._has_structured_output(common_attn_metadata.batch_size()))
+        paths = self.state.paths
+        if paths is not None:
+            target_hidden_states, target_positions = path_context(
+                target_hidden_states, target_positions, common_attn_metadata.query_start_loc, paths
+            )
+            self.state.paths = None
+        super().propose(
+            self.ddtree.max_depth, target_token_ids, target_positions, target_hidden_states, next_token_ids,
+            token_indices_to_sample, common_attn_metadata, sampling_metadata, mm_embed_inputs,
+            num_rejected_tokens_gpu, slot_mappings,
+        )
+        self.num_speculative_tokens = self.ddtree.budget
+        assert self._trees is not None
+        batch = common_attn_metadata.batch_size()
+        self.state.record_proposal(list(self.runner.input_batch.req_ids[:batch]), self._trees)
+        return self._trees.node_tokens
