@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from vllm_ddtree.ops import cache_root, csrc_dir  # noqa: E402
+from vllm_ddtree.kernels.ops import cache_root, csrc_dir  # noqa: E402
 
 SOURCE = Path(__file__).resolve().parent / "mma_sync_rate.cu"
 

@@ -144,7 +144,7 @@ def hopper_split_time(q: torch.Tensor, caches: list, tables: list, B: int, L: in
     no-op here: every request has N rows)."""
     from vllm.third_party.flashmla.flash_mla_interface import flash_mla_with_kvcache, get_mla_metadata
 
-    from vllm_ddtree.mla_tree_tail import split_verify
+    from vllm_ddtree.kernels import split_verify
 
     scale = 1 / math.sqrt(576)
     q4 = q.view(B, N, H, 576).contiguous()
@@ -200,7 +200,7 @@ def time_shape(B: int, L: int, H: int, N: int, page: int, fp8: bool, rotate: int
                baselines: dict | None = None, breakdown: bool = False) -> dict:
     """Our kernel on one shape; ``baselines`` (a dict, filled on the first variant of the shape and reused by the
     next) adds the baseline timings and our ratios to them; ``breakdown`` the device time per kernel."""
-    from vllm_ddtree.ops import mla_tree_verify
+    from vllm_ddtree.kernels import mla_tree_verify
 
     rng = random.Random(0)
     T = B * N
@@ -277,7 +277,7 @@ def main() -> None:
     shape_baselines: dict = {shape: {} for shape in shapes}
     print(f"{'variant':>8} {'B':>3} {'L':>7} {'H':>4} {'N':>3} {'us':>9} {'TFLOP/s':>8} {'KV GB/s':>8} {'%copyBW':>7} "
           f"{'floor':>8} {'floor_mma':>9}  (floors in us: at the GEMM rate / at the mma.sync peak)")
-    from vllm_ddtree.ops import KERNEL_VARIANTS
+    from vllm_ddtree.kernels.ops import KERNEL_VARIANTS
 
     for var in args.variants.split(","):
         if var not in KERNEL_VARIANTS:

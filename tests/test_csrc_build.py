@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CSRC = ROOT / "csrc"
+CSRC = ROOT / "vllm_ddtree" / "kernels" / "csrc"
 ARCHS = ("80", "90", "120")
 
 
@@ -92,7 +92,7 @@ def test_extension_registers_op(monkeypatch: pytest.MonkeyPatch) -> None:
     torch = pytest.importorskip("torch")
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "12.0")
     monkeypatch.setenv("CUDA_HOME", os.environ.get("CUDA_HOME", "/usr/local/cuda"))
-    from vllm_ddtree import ops
+    from vllm_ddtree.kernels import ops
 
     ops.load_extension()
     op = torch.ops.ddtree.mla_tree_verify
@@ -111,7 +111,7 @@ def test_unknown_kernel_variant_is_refused(monkeypatch: pytest.MonkeyPatch) -> N
     """DDTREE_MLA_VARIANT with a value the kernel does not know fails with the accepted values, before any build
     (the kernel itself would take it for auto)."""
     torch = pytest.importorskip("torch")
-    from vllm_ddtree import ops
+    from vllm_ddtree.kernels import ops
 
     T, H, B = 2, 8, 1
     args = (torch.empty(T, H, 512, dtype=torch.bfloat16), torch.empty(T, H, 64, dtype=torch.bfloat16),
@@ -132,7 +132,7 @@ def test_non_positive_scales_are_refused() -> None:
     """The kernels take each row's max over unscaled scores, which needs positive scales: others fail with that
     reason, before any build."""
     torch = pytest.importorskip("torch")
-    from vllm_ddtree import ops
+    from vllm_ddtree.kernels import ops
 
     T, H, B = 2, 8, 1
     tensors = (torch.empty(T, H, 512, dtype=torch.bfloat16), torch.empty(T, H, 64, dtype=torch.bfloat16),
@@ -149,7 +149,7 @@ def test_csrc_override_is_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     """VLLM_DDTREE_CSRC (A/B of kernel sources) may be relative; the build gets it absolute (its ninja file names
     the sources from the build directory), and a directory without the sources fails with the fix."""
     pytest.importorskip("torch")
-    from vllm_ddtree import ops
+    from vllm_ddtree.kernels import ops
 
     (tmp_path / "other" / "csrc").mkdir(parents=True)
     (tmp_path / "other" / "csrc" / "bindings.cpp").write_text("// stand-in\n")

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+CSRC = ROOT / "vllm_ddtree" / "kernels" / "csrc"
 
 needs_cxx = pytest.mark.skipif(shutil.which("c++") is None, reason="needs a host C++ compiler")
 
@@ -24,7 +25,7 @@ def run_harness(name: str, tmp_path: Path) -> str:
     """Builds tests/csrc/NAME.cpp (warnings are errors), runs it, asserts it exits 0 and returns its stdout."""
     exe = tmp_path / name
     src = ROOT / "tests" / "csrc" / f"{name}.cpp"
-    build = subprocess.run(["c++", "-std=c++17", "-O2", "-Wall", "-Werror", f"-I{ROOT / 'csrc'}", str(src), "-o",
+    build = subprocess.run(["c++", "-std=c++17", "-O2", "-Wall", "-Werror", f"-I{CSRC}", str(src), "-o",
                             str(exe)], capture_output=True, text=True, timeout=300)
     assert build.returncode == 0, build.stderr[-4000:]
     res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)

@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from vllm_ddtree.mla_reference import mla_tree_verify_ref
-from vllm_ddtree.ops import KERNEL_VARIANTS
+from vllm_ddtree.kernels import mla_tree_verify_ref
+from vllm_ddtree.kernels.ops import KERNEL_VARIANTS
 
 SCALE = 1.0 / math.sqrt(576)
 BIG_PAGE = 2**30  # block-table filler: reading it would fault, so untouched entries prove they were never read
@@ -93,7 +93,7 @@ def make_case(
 
 
 def run_kernel(case: dict, kv_scale: float = 1.0, out_dtype: torch.dtype = torch.bfloat16, max_q: int | None = None):
-    from vllm_ddtree.ops import mla_tree_verify
+    from vllm_ddtree.kernels import mla_tree_verify
 
     T, H, _ = case["q_nope"].shape
     out = torch.full((T, H, 512), float("nan"), dtype=out_dtype, device="cuda")
@@ -215,7 +215,7 @@ def test_deterministic(H: int, N: int) -> None:
 @pytest.mark.parametrize("H,N", [(64, 16), (8, 1), (16, 1), (8, 2)])
 def test_cuda_graph_replay(H: int, N: int) -> None:
     """Capture once, then replay with new seq_lens, trees, block tables and queries copied into the same buffers."""
-    from vllm_ddtree.ops import mla_tree_verify
+    from vllm_ddtree.kernels import mla_tree_verify
 
     page, B = 64, 4
     Lmax = 8192

@@ -190,7 +190,7 @@ class DDTreeMLAImpl(MLACommonImpl[DDTreeMLAMetadata]):
 
     def forward_mqa(self, q: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kv_c_and_k_pe_cache: torch.Tensor,
                     attn_metadata: DDTreeMLAMetadata, layer: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-        from vllm_ddtree.ops import mla_tree_verify
+        from vllm_ddtree.kernels import mla_tree_verify
 
         decode = attn_metadata.decode
         assert decode is not None
@@ -216,7 +216,7 @@ class DDTreeMLAImpl(MLACommonImpl[DDTreeMLAMetadata]):
         log-sum-exp merge (``split_verify``)."""
         from vllm.v1.attention.ops.flashmla import flash_mla_with_kvcache
 
-        from vllm_ddtree.mla_tree_tail import pack_context_query, split_verify
+        from vllm_ddtree.kernels import pack_context_query, split_verify
 
         num_reqs, width, num_heads = decode.seq_lens.shape[0], decode.max_query_len, q_nope.shape[1]
 

@@ -28,18 +28,17 @@ KERNEL_VARIANTS = ("auto", "portable", "decode", "decode-shallow")
 
 
 def csrc_dir() -> Path:
-    """Kernel sources: ``$VLLM_DDTREE_CSRC`` when set (A/B timing of a kernel change), else the packaged copy
-    (``vllm_ddtree/csrc``), else the repository's ``csrc/``."""
+    """Kernel sources: ``$VLLM_DDTREE_CSRC`` when set (A/B timing of a kernel change), else the packaged
+    ``vllm_ddtree/kernels/csrc``."""
     override = os.environ.get("VLLM_DDTREE_CSRC")
     if override:
         if not (Path(override) / _SOURCES[0]).is_file():
             raise FileNotFoundError(f"VLLM_DDTREE_CSRC={override} has no {_SOURCES[0]}; point it at a csrc/ tree")
         return Path(override).resolve()  # absolute: the build files name the sources
-    here = Path(__file__).resolve().parent
-    for cand in (here / "csrc", here.parent / "csrc"):
-        if (cand / _SOURCES[0]).is_file():
-            return cand
-    raise FileNotFoundError("vllm_ddtree: csrc/ sources not found next to the package")
+    packaged = Path(__file__).resolve().parent / "csrc"
+    if not (packaged / _SOURCES[0]).is_file():
+        raise FileNotFoundError(f"vllm_ddtree: the kernel sources are missing from {packaged}")
+    return packaged
 
 
 def cache_root() -> Path:
