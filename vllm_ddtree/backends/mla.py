@@ -31,10 +31,8 @@ from vllm.model_executor.layers.attention.mla_attention import (
 )
 from vllm.v1.attention.backend import AttentionCGSupport, MultipleOf
 
-from vllm_ddtree.backends.tree_mask import MAX_TREE_WIDTH, causal_bits, current_tree_masks
-
-KV_LORA_RANK = 512
-ROPE_DIM = 64
+from vllm_ddtree.backends.tree_mask import causal_bits, current_tree_masks
+from vllm_ddtree.constants import MAX_TREE_WIDTH, MLA_HEAD_DIM, MLA_KV_LORA_RANK, MLA_ROPE_DIM
 
 
 @dataclass
@@ -180,11 +178,11 @@ class DDTreeMLAImpl(MLACommonImpl[DDTreeMLAMetadata]):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if self.kv_lora_rank != KV_LORA_RANK or self.qk_rope_head_dim != ROPE_DIM:
+        if self.kv_lora_rank != MLA_KV_LORA_RANK or self.qk_rope_head_dim != MLA_ROPE_DIM:
             raise ValueError(
-                f"the ddtree MLA kernel is built for kv_lora_rank {KV_LORA_RANK} and qk_rope_head_dim {ROPE_DIM} "
-                f"(DeepSeek-V3 / Kimi-K2), got {self.kv_lora_rank} and {self.qk_rope_head_dim}; use FLASHMLA or "
-                f"TRITON_MLA for this model."
+                f"the ddtree MLA kernel is built for kv_lora_rank {MLA_KV_LORA_RANK} and qk_rope_head_dim "
+                f"{MLA_ROPE_DIM} (DeepSeek-V3 / Kimi-K2), got {self.kv_lora_rank} and {self.qk_rope_head_dim}; use "
+                f"FLASHMLA or TRITON_MLA for this model."
             )
         self.supports_quant_query_input = False  # the kernel takes bf16/fp16 queries, fp8 only in the cache
 
@@ -194,11 +192,11 @@ class DDTreeMLAImpl(MLACommonImpl[DDTreeMLAMetadata]):
 
         decode = attn_metadata.decode
         assert decode is not None
-        q_nope, q_pe = q if isinstance(q, tuple) else q.split([KV_LORA_RANK, ROPE_DIM], dim=-1)
+        q_nope, q_pe = q if isinstance(q, tuple) else q.split([MLA_KV_LORA_RANK, MLA_ROPE_DIM], dim=-1)
         num_tokens, num_heads = q_nope.shape[:2]
         masks = current_tree_masks()
         bits = masks.token_bits if masks is not None and masks.token_bits.numel() else decode.causal_token_bits
-        out = q_nope.new_empty(num_tokens, num_heads, KV_LORA_RANK)
+        out = q_nope.new_empty(num_tokens, num_heads, MLA_KV_LORA_RANK)
         lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q_nope.device)
         if decode.flashmla_sched is not None and q_nope.dtype == kv_c_and_k_pe_cache.dtype == torch.bfloat16:
             self._flashmla_context_and_tail(q_nope, q_pe, kv_c_and_k_pe_cache, decode, bits[:num_tokens], out, lse)
@@ -224,7 +222,7 @@ class DDTreeMLAImpl(MLACommonImpl[DDTreeMLAMetadata]):
             q = pack_context_query(q_nope, q_pe, decode.padded_rows).view(num_reqs, width, num_heads, -1)
             return flash_mla_with_kvcache(
                 q=q, k_cache=kv_cache.unsqueeze(-2), block_table=decode.block_table,
-                cache_seqlens=decode.context_lens, head_dim_v=KV_LORA_RANK,
+                cache_seqlens=decode.context_lens, head_dim_v=MLA_KV_LORA_RANK,
                 tile_scheduler_metadata=decode.flashmla_sched, softmax_scale=self.scale, causal=False,
             )  # fmt: skip
 
@@ -272,7 +270,7 @@ class DDTreeMLABackend(MLACommonBackend):
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
-        return [KV_LORA_RANK + ROPE_DIM]
+        return [MLA_HEAD_DIM]
 
     @classmethod
     def supports_compute_capability(cls, capability: Any) -> bool:

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from vllm_ddtree.constants import MLA_HEAD_DIM, MLA_KV_LORA_RANK, MLA_ROPE_DIM
+
 _SOURCES = ("bindings.cpp", "mla_tree_verify.cu", "mla_tree_verify_portable.cu", "mla_tree_verify_sched.cu",
             "mla_decode_verify.cu")
 _HEADERS = ("mla_tree_verify.cuh", "mla_device_utils.cuh", "mla_decode_layout.cuh", "mla_sched_plan.cuh",
@@ -126,10 +128,11 @@ def mla_tree_verify(
     nothing. ``max_query_len`` (host int, >= every request's q_len, <= 64) sizes the grid; without it min(T, 64) is
     used, which is correct but launches idle CTAs for batches of many short requests.
     """
-    if q_nope.dim() != 3 or q_nope.shape[-1] != 512 or q_pe.shape[-1] != 64:
-        raise ValueError(f"q_nope must be [T,H,512] and q_pe [T,H,64], got {tuple(q_nope.shape)}, {tuple(q_pe.shape)}")
-    if kv_cache.dim() != 3 or kv_cache.shape[-1] != 576:
-        raise ValueError(f"kv_cache must be [blocks, block_size, 576], got {tuple(kv_cache.shape)}")
+    if q_nope.dim() != 3 or q_nope.shape[-1] != MLA_KV_LORA_RANK or q_pe.shape[-1] != MLA_ROPE_DIM:
+        raise ValueError(f"q_nope must be [T,H,{MLA_KV_LORA_RANK}] and q_pe [T,H,{MLA_ROPE_DIM}], got "
+                         f"{tuple(q_nope.shape)}, {tuple(q_pe.shape)}")
+    if kv_cache.dim() != 3 or kv_cache.shape[-1] != MLA_HEAD_DIM:
+        raise ValueError(f"kv_cache must be [blocks, block_size, {MLA_HEAD_DIM}], got {tuple(kv_cache.shape)}")
     if not (softmax_scale > 0 and kv_scale > 0 and math.isfinite(softmax_scale * kv_scale)):
         raise ValueError(f"softmax_scale and kv_scale must be positive and finite (the kernels take each row's max "
                          f"over unscaled scores), got {softmax_scale}, {kv_scale}")

@@ -32,7 +32,7 @@ void mla_tree_verify_cuda(const at::Tensor& q_nope, const at::Tensor& q_pe, cons
                           double kv_scale, at::Tensor& out, at::Tensor& lse, int64_t max_query_len) {
   TORCH_CHECK(q_nope.is_cuda() && q_pe.is_cuda() && kv_cache.is_cuda(), "mla_tree_verify: CUDA tensors expected");
   TORCH_CHECK(q_nope.dim() == 3 && q_nope.size(2) == ddtree::kDV, "q_nope must be [T, H, 512]");
-  TORCH_CHECK(q_pe.dim() == 3 && q_pe.size(2) == ddtree::kDQK - ddtree::kDV, "q_pe must be [T, H, 64]");
+  TORCH_CHECK(q_pe.dim() == 3 && q_pe.size(2) == ddtree::kDRope, "q_pe must be [T, H, 64]");
   const int64_t T = q_nope.size(0), H = q_nope.size(1);
   TORCH_CHECK(q_pe.size(0) == T && q_pe.size(1) == H, "q_pe shape mismatch");
   TORCH_CHECK(H % 8 == 0 && H >= 8 && H <= 128, "H must be a multiple of 8 in [8, 128]");
@@ -116,7 +116,7 @@ void mla_tree_verify_cuda(const at::Tensor& q_nope, const at::Tensor& q_pe, cons
   p.seq_lens = seq_lens.data_ptr<int>();
   p.qsl = query_start_loc.data_ptr<int>();
   p.tree_bits = tree_bits.data_ptr<int64_t>();
-  p.scale_log2 = static_cast<float>(softmax_scale * kv_scale * 1.4426950408889634);
+  p.scale_log2 = static_cast<float>(softmax_scale * kv_scale * ddtree::kLog2e);
   p.kv_scale = static_cast<float>(kv_scale);
   p.out = out.data_ptr();
   p.out_s0 = out.stride(0);

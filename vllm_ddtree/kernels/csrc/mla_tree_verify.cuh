@@ -7,11 +7,22 @@
 
 namespace ddtree {
 
-constexpr int kDQK = 576;        // 512 latent + 64 rope
-constexpr int kDV = 512;         // output / value width
+// ---- Mirrors of vllm_ddtree/constants.py, one a line as "constexpr <type> <name> = <value>;  // <CONSTANT>":
+// tests/test_constants.py parses these lines and checks each value against constants.<CONSTANT>.
+constexpr int kAncestorWordBits = 64;          // ANCESTOR_WORD_BITS
+constexpr int kMaxTreeTokens = 64;             // MAX_TREE_WIDTH
+constexpr int kMaxTreeBudget = 63;             // MAX_TREE_BUDGET
+constexpr int kDV = 512;                       // MLA_KV_LORA_RANK
+constexpr int kDRope = 64;                     // MLA_ROPE_DIM
+constexpr int kDQK = 576;                      // MLA_HEAD_DIM
+constexpr double kLog2e = 1.4426950408889634;  // LOG2E
+static_assert(sizeof(uint64_t) * 8 == kAncestorWordBits, "tree_bits holds one uint64 ancestor word per query");
+static_assert(kMaxTreeTokens == kAncestorWordBits, "one word holds a whole tree, root included");
+static_assert(kMaxTreeBudget == kMaxTreeTokens - 1, "the budget counts the tree's nodes without the root");
+static_assert(kDQK == kDV + kDRope, "a latent cache row is the 512 latent dims, then the 64 rope dims");
+
 constexpr int kBM = 64;          // packed (node, head) rows per CTA
 constexpr int kSchedOverhead = 5;  // per-piece cost in KV tiles, used by the device scheduler
-constexpr int kMaxTreeTokens = 64;  // tree_bits is one uint64 per query
 // Lazy rescaling (both kernels' online softmax): a row's reference max moves only when a tile's max exceeds it by
 // more than this (log2 units), so P <= 2^8 (bf16 keeps its relative precision) and O is rescaled on few tiles.
 constexpr float kRescaleSlack = 8.f;
