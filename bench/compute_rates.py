@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from vllm_ddtree import envs  # noqa: E402
 from vllm_ddtree.kernels.ops import cache_root, csrc_dir  # noqa: E402
 
 SOURCE = Path(__file__).resolve().parent / "mma_sync_rate.cu"
@@ -48,8 +49,7 @@ def gemm_tflops(n: int = 8192, reps: int = 10) -> float:
 
 
 def nvcc_path() -> str | None:
-    home = os.environ.get("CUDA_HOME") or "/usr/local/cuda"
-    cand = Path(home) / "bin" / "nvcc"
+    cand = Path(envs.CUDA_HOME) / "bin" / "nvcc"
     return str(cand) if cand.is_file() else shutil.which("nvcc")
 
 

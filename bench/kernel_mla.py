@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from bench.compute_rates import floor_us, gemm_tflops, mma_sync_rates  # noqa: E402
+from vllm_ddtree import envs  # noqa: E402
 
 SHAPES = [(1, 32768, 64, 16), (1, 32768, 64, 64), (1, 131072, 64, 16), (1, 32768, 128, 16), (8, 8192, 64, 16),
           (32, 4096, 16, 16)]
@@ -172,7 +173,7 @@ def kernel_breakdown_us(fn, calls: int = 20) -> dict[str, float]:
     """Device microseconds per launch of each kernel ``fn`` launches (eager, torch.profiler): where the time of one
     call goes (split planner, main kernel, combine); their sum leaves out the gaps between launches. With programmatic
     dependent launch (the decode kernel on sm_90+) a kernel's span includes its wait on the one before it: run with
-    DDTREE_MLA_PDL=0 for separate times."""
+    VLLM_DDTREE_MLA_PDL=0 for separate times."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(3):
@@ -227,7 +228,7 @@ def time_shape(B: int, L: int, H: int, N: int, page: int, fp8: bool, rotate: int
     us = graph_time_us(step, reps, rotate)
     flops, kv_bytes = shape_work(B, L, H, N, fp8)
     row = dict(B=B, L=L, H=H, N=N, page=page, fp8=fp8, us=round(us, 2), tflops=round(flops / us / 1e6, 1),
-               kv_gbs=round(kv_bytes / us / 1e3, 1), variant=os.environ.get("DDTREE_MLA_VARIANT", "auto"))
+               kv_gbs=round(kv_bytes / us / 1e3, 1), variant=envs.VLLM_DDTREE_MLA_VARIANT)
     if breakdown:
         c, bt = caches[0], tables[0]
         row["kernels_us"] = kernel_breakdown_us(
@@ -250,7 +251,7 @@ def main() -> None:
     ap.add_argument("--rotate", type=int, default=4)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--variants", default="auto,portable",
-                    help="comma list of DDTREE_MLA_VARIANT values: auto (the decode kernel at few rows a request, "
+                    help="comma list of VLLM_DDTREE_MLA_VARIANT values: auto (the decode kernel at few rows a request, "
                          "else resident-V where smem allows, e.g. sm_90, else portable), portable (sm_120 config), "
                          "decode (the 16-row decode kernel, at every size), decode-shallow (decode with sm_120's "
                          "2-stage ring)")
@@ -277,12 +278,10 @@ def main() -> None:
     shape_baselines: dict = {shape: {} for shape in shapes}
     print(f"{'variant':>8} {'B':>3} {'L':>7} {'H':>4} {'N':>3} {'us':>9} {'TFLOP/s':>8} {'KV GB/s':>8} {'%copyBW':>7} "
           f"{'floor':>8} {'floor_mma':>9}  (floors in us: at the GEMM rate / at the mma.sync peak)")
-    from vllm_ddtree.kernels.ops import KERNEL_VARIANTS
-
     for var in args.variants.split(","):
-        if var not in KERNEL_VARIANTS:
-            raise SystemExit(f"unknown variant {var!r}: one of {', '.join(KERNEL_VARIANTS)}")
-        os.environ["DDTREE_MLA_VARIANT"] = var
+        if var not in envs.MLA_VARIANTS:
+            raise SystemExit(f"unknown variant {var!r}: one of {', '.join(envs.MLA_VARIANTS)}")
+        os.environ["VLLM_DDTREE_MLA_VARIANT"] = var
         for B, L, H, N in shapes:
             r = time_shape(B, L, H, N, args.page, args.fp8, args.rotate, args.reps,
                            shape_baselines[(B, L, H, N)] if args.baselines else None, args.breakdown)
@@ -306,7 +305,7 @@ def main() -> None:
             json.dump(dict(device=torch.cuda.get_device_name(), copy_gbs=round(bw, 1), gemm_tflops=round(gemm, 1),
                            mma_sync_tflops=round(mma_sync, 1), rotate=args.rotate,
                            shapes=args.shapes, method="CUDA-graph replay, median over reps, per call",
-                           csrc=os.environ.get("VLLM_DDTREE_CSRC", "repository"), rows=rows), f, indent=1)
+                           csrc=envs.VLLM_DDTREE_CSRC or "package", rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

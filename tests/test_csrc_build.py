@@ -98,19 +98,21 @@ def test_extension_registers_op(monkeypatch: pytest.MonkeyPatch) -> None:
     op = torch.ops.ddtree.mla_tree_verify
     schema = str(op.default._schema)
     assert "Tensor(a!) out" in schema and "Tensor(b!) lse" in schema, schema
+    assert "int kernel, bool decode_deep, int decode_ctas_per_sm, bool pdl" in schema, schema
     T, H, B = 4, 8, 2
     m = dict(device="meta")
     op(torch.empty(T, H, 512, dtype=torch.bfloat16, **m), torch.empty(T, H, 64, dtype=torch.bfloat16, **m),
        torch.empty(3, 64, 576, dtype=torch.bfloat16, **m), torch.empty(B, 3, dtype=torch.int32, **m),
        torch.empty(B, dtype=torch.int32, **m), torch.empty(B + 1, dtype=torch.int32, **m),
        torch.empty(T, dtype=torch.int64, **m), 0.04, 1.0, torch.empty(T, H, 512, dtype=torch.bfloat16, **m),
-       torch.empty(T, H, dtype=torch.float32, **m), 2)
+       torch.empty(T, H, dtype=torch.float32, **m), 2, 2, True, 0, True)
 
 
 def test_unknown_kernel_variant_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    """DDTREE_MLA_VARIANT with a value the kernel does not know fails with the accepted values, before any build
-    (the kernel itself would take it for auto)."""
+    """VLLM_DDTREE_MLA_VARIANT with a value the dispatch does not know fails with the accepted values, before any
+    build."""
     torch = pytest.importorskip("torch")
+    from vllm_ddtree import envs
     from vllm_ddtree.kernels import ops
 
     T, H, B = 2, 8, 1
@@ -118,14 +120,14 @@ def test_unknown_kernel_variant_is_refused(monkeypatch: pytest.MonkeyPatch) -> N
             torch.empty(3, 64, 576, dtype=torch.bfloat16), torch.empty(B, 3, dtype=torch.int32),
             torch.empty(B, dtype=torch.int32), torch.empty(B + 1, dtype=torch.int32), torch.empty(T, dtype=torch.int64),
             0.04, 1.0, torch.empty(T, H, 512, dtype=torch.bfloat16), torch.empty(T, H, dtype=torch.float32))
-    monkeypatch.setenv("DDTREE_MLA_VARIANT", "resident")
+    monkeypatch.setenv("VLLM_DDTREE_MLA_VARIANT", "resident")
     with pytest.raises(ValueError, match="auto, portable, decode, decode-shallow"):
         ops.mla_tree_verify(*args)
-    for value in ops.KERNEL_VARIANTS:
-        monkeypatch.setenv("DDTREE_MLA_VARIANT", value)
-        assert ops.check_kernel_variant() == value
-    monkeypatch.delenv("DDTREE_MLA_VARIANT")
-    assert ops.check_kernel_variant() == "auto"
+    for value in envs.MLA_VARIANTS:
+        monkeypatch.setenv("VLLM_DDTREE_MLA_VARIANT", value)
+        assert envs.VLLM_DDTREE_MLA_VARIANT == value
+    monkeypatch.delenv("VLLM_DDTREE_MLA_VARIANT")
+    assert envs.VLLM_DDTREE_MLA_VARIANT == "auto"
 
 
 def test_non_positive_scales_are_refused() -> None:

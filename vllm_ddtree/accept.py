@@ -23,7 +23,6 @@ persistent buffers directly (``walk_trees(t.node_tokens, t.parents, t.anc_bits, 
 Siblings must carry distinct tokens (so at most one child can match), as the tree builder guarantees.
 """
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +30,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from vllm_ddtree import envs
 from vllm_ddtree.constants import MAX_TREE_BUDGET, MAX_TREE_WIDTH
 
 
@@ -206,7 +206,7 @@ def walk_verify_batch(
     _check_masks(anc_bits)
     batch, width = tree_rows.shape[0], parents.shape[1]
     device = picks.device
-    if not (picks.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+    if not (picks.is_cuda or envs.TRITON_INTERPRET):
         paths = walk_verify_batch_torch(picks, inputs, cu_num_logits, tree_rows, parents, anc_bits, num_nodes,
                                         max_depth)  # fmt: skip
         return paths, (paths.num_accepted + 1).to(torch.int32)

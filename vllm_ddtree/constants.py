@@ -2,7 +2,9 @@
 
 The draft tree: every node carries one int64 ancestor word (bit ``j`` set iff node ``j`` is an ancestor-or-self),
 so a tree holds at most 64 tokens, the root included, and the config caps the node budget at 63. The MLA geometry:
-the tree-verify kernels are built for DeepSeek-V3 / Kimi-K2's latent cache rows (512 latent + 64 rope dims).
+the tree-verify kernels are built for DeepSeek-V3 / Kimi-K2's latent cache rows (512 latent + 64 rope dims). The
+MLA kernel ids and shared-memory needs: the dispatch (``kernels/mla_dispatch.py``) picks a kernel by what a GPU can
+hold and passes its id to the CUDA op.
 
 The CUDA sources mirror these in ``kernels/csrc/params.h`` (with ``static_assert``s on how they relate);
 ``tests/test_constants.py`` parses that header and checks every mirror against this module.
@@ -26,3 +28,16 @@ MLA_HEAD_DIM = MLA_KV_LORA_RANK + MLA_ROPE_DIM
 
 LOG2E = 1.4426950408889634
 """log2(e): the kernels run their softmax in base 2 and scale scores by this."""
+
+MLA_KERNEL_PORTABLE = 0
+"""``ddtree::mla_tree_verify``'s ``kernel`` id of the portable 64-row kernel (<= 99 KB of shared memory a block)."""
+MLA_KERNEL_RESIDENT_V = 1
+"""Kernel id of the resident-V 64-row kernel (sm_90's ~226 KB a block)."""
+MLA_KERNEL_DECODE = 2
+"""Kernel id of the 16-row decode kernel (launches of few rows a request; every GPU)."""
+MLA_RESIDENT_V_SMEM = 231424
+"""Dynamic shared memory of a resident-V CTA, bytes (bf16 and fp8 caches alike)."""
+MLA_DECODE_DEEP_SMEM_BF16 = 90112
+"""Dynamic shared memory of a decode CTA in its deep configuration (32-key tiles), bf16 cache."""
+MLA_DECODE_DEEP_SMEM_FP8 = 108544
+"""The same over an fp8 cache (3 ring stages)."""

@@ -6,7 +6,8 @@ applies the per-token ancestor words. On Hopper with a bf16 cache in 64-token pa
 decode is split instead: FlashMLA attends each row's context (every key before the request's tree, no mask) while
 ``mla_tree_tail`` attends the tree keys on a second stream, merged by log-sum-exp (``split_verify``) — except for
 launches of few rows a request (plain decode and tiny trees at few heads), which our decode kernel reads faster.
-``DDTREE_MLA_CONTEXT`` overrides: ``flashmla`` splits every launch, ``ddtree`` keeps our kernel for all.
+``VLLM_DDTREE_MLA_CONTEXT`` overrides: ``flashmla`` splits every launch, ``ddtree`` keeps our kernel for all. Those
+choices, and which of our kernels runs, are the dispatch table's (``kernels/mla_dispatch.py``).
 Rows with up to 64 tokens take the decode path (``QueryLenSupport.VARLEN``, reorder threshold 64): tree rows get
 their tree words from the runner's ``prepare_attn`` hook, every other short row is causal. Without a DDTree runner
 in the process the builder writes causal words itself, so the backend is also a correct plain MLA decode backend.
@@ -16,7 +17,6 @@ All tensors the kernels read are persistent and KV split plans are computed on t
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -31,8 +31,10 @@ from vllm.model_executor.layers.attention.mla_attention import (
 )
 from vllm.v1.attention.backend import AttentionCGSupport, MultipleOf
 
+from vllm_ddtree import envs
 from vllm_ddtree.backends.tree_mask import causal_bits, current_tree_masks
 from vllm_ddtree.constants import MAX_TREE_WIDTH, MLA_HEAD_DIM, MLA_KV_LORA_RANK, MLA_ROPE_DIM
+from vllm_ddtree.kernels.mla_dispatch import FLASHMLA_PAGE, flashmla_context, split_this_launch
 
 
 @dataclass
@@ -52,41 +54,6 @@ class DDTreeMLADecodeMetadata(MLACommonDecodeMetadata):
 @dataclass
 class DDTreeMLAMetadata(MLACommonMetadata[DDTreeMLADecodeMetadata]):
     pass
-
-
-# Launches of at most this many packed rows a request (query width x heads) keep our decode kernel in auto mode: on
-# the H200 (32-key tiles, bench/kernel_mla.py --baselines --shapes memory-bound / all, 2026-12-01) it read 8-16 rows
-# a request in 53.6-57.5 / 86.6-89.4 / 91.0-94.1 us where the FlashMLA split took 86.5-90.0 / 100.5-102.3 /
-# 106.9-109.3 us. At 32 rows a request it wins too (2026-12-01, after the one-pass combine; `--shapes crossover
-# --baselines`): one request of 32k keys 39.4 against 63.2 us, 8 requests of 8k at 8 heads x 4 tokens 45.4 against
-# 54.2 us, one request of 128k at 16 x 2 78.9 against 90.4 us; at 64 rows of 8 requests the split wins (57.2 against
-# 75.7 us).
-OWN_KERNEL_MAX_ROWS = 32
-
-
-def context_choice() -> str:
-    """``DDTREE_MLA_CONTEXT``: auto (the default), flashmla or ddtree."""
-    choice = os.environ.get("DDTREE_MLA_CONTEXT", "auto")
-    if choice not in ("auto", "flashmla", "ddtree"):
-        raise ValueError(f"DDTREE_MLA_CONTEXT must be 'auto', 'flashmla' or 'ddtree', got {choice!r}")
-    return choice
-
-
-def flashmla_context_enabled(vllm_config: Any, block_size: int) -> bool:
-    """Whether decode context keys can go to FlashMLA: Hopper with vLLM's FlashMLA, a bf16 model and cache in
-    64-token pages, unless ``DDTREE_MLA_CONTEXT=ddtree``."""
-    from vllm.v1.attention.ops.flashmla import is_flashmla_dense_supported
-
-    cache_dtype = vllm_config.cache_config.cache_dtype
-    return (context_choice() != "ddtree" and block_size == 64 and vllm_config.model_config.dtype == torch.bfloat16
-            and cache_dtype in ("auto", "bfloat16") and is_flashmla_dense_supported()[0])  # fmt: skip
-
-
-def split_this_launch(choice: str, width: int, num_heads: int) -> bool:
-    """Whether a decode launch where FlashMLA can take the context uses the split: always when forced, else unless
-    its rows a request (``width`` query tokens x ``num_heads``) are few enough for our decode kernel. ``width`` is
-    the uniform query length of a FULL graph's batch, so the choice is fixed per graph."""
-    return choice == "flashmla" or width * num_heads > OWN_KERNEL_MAX_ROWS
 
 
 def padded_query_rows(query_start_loc: torch.Tensor, width: int, num_tokens: int, cols: torch.Tensor) -> torch.Tensor:
@@ -126,8 +93,13 @@ class DDTreeMLAMetadataBuilder(MLACommonMetadataBuilder[DDTreeMLAMetadata]):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device, DDTreeMLAMetadata)
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self._causal_bits = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
-        self._flashmla_context = flashmla_context_enabled(vllm_config, kv_cache_spec.block_size)
-        self._context_choice = context_choice()
+        from vllm.v1.attention.ops.flashmla import is_flashmla_dense_supported
+
+        self._context_choice = envs.VLLM_DDTREE_MLA_CONTEXT
+        self._flashmla_context = flashmla_context(
+            self._context_choice, is_flashmla_dense_supported()[0], kv_cache_spec.block_size,
+            vllm_config.model_config.dtype, vllm_config.cache_config.cache_dtype,
+        )  # fmt: skip
         self._num_heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
         if self._flashmla_context:
             max_reqs = vllm_config.scheduler_config.max_num_seqs
@@ -254,7 +226,9 @@ class DDTreeMLABackend(MLACommonBackend):
         """64-token pages where FlashMLA can take the context keys (Hopper), else vLLM's default."""
         from vllm.v1.attention.ops.flashmla import is_flashmla_dense_supported
 
-        return 64 if is_flashmla_dense_supported()[0] else super().get_preferred_block_size(default_block_size)
+        if is_flashmla_dense_supported()[0]:
+            return FLASHMLA_PAGE
+        return super().get_preferred_block_size(default_block_size)
 
     @staticmethod
     def get_name() -> str:

@@ -14,12 +14,11 @@ be captured in a CUDA graph.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from vllm_ddtree import envs
 from vllm_ddtree.constants import LOG2E, MAX_TREE_WIDTH
 
 # Requests of up to MAX_TREE_WIDTH query tokens use the tree bitmask; longer ones (prefill chunks) are causal. The
@@ -334,7 +333,7 @@ def gqa_tree_attention(
     elif num_splits is None:
         num_splits = _default_num_splits(num_rows, block_q, num_kv_heads, big_tile, query.device)
     # Triton 3.6's interpreter multiplies bf16 dot operands as raw bits: there the dots run on fp32 copies.
-    f32_dot = query.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+    f32_dot = query.dtype == torch.bfloat16 and envs.TRITON_INTERPRET
     dot_prec = "ieee" if query.dtype == torch.float32 or f32_dot else "tf32"
     if num_splits > 1:
         part_out = torch.empty(num_splits, num_rows, num_q_heads, head_d, dtype=torch.float32, device=query.device)

@@ -20,13 +20,13 @@ in each, ~1/8 of a program's work): at batch 1 a 16-node tree of 64 heads is oth
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 
+from vllm_ddtree import envs
 from vllm_ddtree.constants import LOG2E, MAX_TREE_WIDTH, MLA_HEAD_DIM, MLA_KV_LORA_RANK, MLA_ROPE_DIM
 
 # The same numbers as the kernels' compile-time constants.
@@ -153,7 +153,7 @@ def mla_tree_tail(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tens
         softmax_scale * LOG2E, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0), out.stride(0), out.stride(1), lse.stride(0),
         NUM_HEADS=num_heads, PAGE=kv_cache.shape[1], BLOCK_M=BLOCK_M, KEYS=keys, CHUNK=CHUNK, V_SPLIT=v_split,
-        F32_DOT=os.environ.get("TRITON_INTERPRET") == "1", num_warps=NUM_WARPS,
+        F32_DOT=envs.TRITON_INTERPRET, num_warps=NUM_WARPS,
     )  # fmt: skip
 
 

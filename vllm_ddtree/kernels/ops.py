@@ -2,20 +2,22 @@
 
 Importing this module never compiles or touches CUDA, so it is safe on CPU-only machines; the extension is built on
 first use (or by :func:`load_extension`) and registers ``torch.ops.ddtree.mla_tree_verify`` through TORCH_LIBRARY,
-which makes the op usable inside ``torch.compile`` graphs and CUDA-graph capture.
+which makes the op usable inside ``torch.compile`` graphs and CUDA-graph capture. Which kernel a launch runs is
+decided by ``mla_dispatch`` and passed to the op as parameters.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-import os
 import threading
 from pathlib import Path
 
 import torch
 
-from vllm_ddtree.constants import MLA_HEAD_DIM, MLA_KV_LORA_RANK, MLA_ROPE_DIM
+from vllm_ddtree import envs
+from vllm_ddtree.constants import MAX_TREE_WIDTH, MLA_HEAD_DIM, MLA_KV_LORA_RANK, MLA_ROPE_DIM
+from vllm_ddtree.kernels.mla_dispatch import mla_launch
 
 _SOURCES = ("bindings.cpp", "mla_tree_verify.cu", "mla_tree_verify_portable.cu", "mla_tree_verify_sched.cu",
             "mla_decode_verify.cu")
@@ -23,16 +25,12 @@ _HEADERS = ("mla_tree_verify.cuh", "mla_device_utils.cuh", "mla_decode_layout.cu
             "mla_launch.cuh", "mla_row_tile.cuh", "host_device.cuh")
 _lock = threading.Lock()
 _loaded = False
-# DDTREE_MLA_VARIANT values (read by the kernel at each launch; unset = auto): auto picks per launch (the decode
-# kernel at few rows a request, else resident-V on sm_90, portable elsewhere); the others force one, for tests and
-# benchmarks (decode-shallow: the decode kernel with the 2-stage ring of 100-KB-per-SM GPUs such as sm_120).
-KERNEL_VARIANTS = ("auto", "portable", "decode", "decode-shallow")
 
 
 def csrc_dir() -> Path:
     """Kernel sources: ``$VLLM_DDTREE_CSRC`` when set (A/B timing of a kernel change), else the packaged
     ``vllm_ddtree/kernels/csrc``."""
-    override = os.environ.get("VLLM_DDTREE_CSRC")
+    override = envs.VLLM_DDTREE_CSRC
     if override:
         if not (Path(override) / _SOURCES[0]).is_file():
             raise FileNotFoundError(f"VLLM_DDTREE_CSRC={override} has no {_SOURCES[0]}; point it at a csrc/ tree")
@@ -45,7 +43,7 @@ def csrc_dir() -> Path:
 
 def cache_root() -> Path:
     """Where built artifacts are cached: ``$VLLM_DDTREE_CACHE``, else ``~/.cache/vllm-ddtree``."""
-    return Path(os.environ.get("VLLM_DDTREE_CACHE", Path.home() / ".cache" / "vllm-ddtree"))
+    return Path(envs.VLLM_DDTREE_CACHE)
 
 
 def _build_dir(src: Path, arch_list: str) -> tuple[str, Path]:
@@ -62,7 +60,8 @@ def _build_dir(src: Path, arch_list: str) -> tuple[str, Path]:
 
 
 def load_extension(verbose: bool = False) -> None:
-    """Builds (once, cached) and loads the extension, which registers the ``torch.ops.ddtree`` ops."""
+    """Builds (once, cached) and loads the extension, which registers the ``torch.ops.ddtree`` ops; first refuses a
+    misconfigured environment (``envs.check_environ``)."""
     global _loaded
     if _loaded:
         return
@@ -71,8 +70,9 @@ def load_extension(verbose: bool = False) -> None:
             return
         from torch.utils.cpp_extension import load
 
+        envs.check_environ()
         src = csrc_dir()
-        arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
+        arch_list = envs.TORCH_CUDA_ARCH_LIST
         if not arch_list and torch.cuda.is_available():  # torch then builds for the visible GPUs; key on them
             caps = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
             arch_list = ";".join(f"{a}.{b}" for a, b in sorted(caps))
@@ -97,14 +97,6 @@ def _rows16(t: torch.Tensor) -> torch.Tensor:
     return t if ok else t.contiguous()
 
 
-def check_kernel_variant() -> str:
-    """``DDTREE_MLA_VARIANT``, refused with the accepted values when unknown (the kernel would take it for auto)."""
-    value = os.environ.get("DDTREE_MLA_VARIANT", "auto")
-    if value not in KERNEL_VARIANTS:
-        raise ValueError(f"DDTREE_MLA_VARIANT must be one of {', '.join(KERNEL_VARIANTS)} (or unset), got {value!r}")
-    return value
-
-
 def mla_tree_verify(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -126,7 +118,8 @@ def mla_tree_verify(
     tokens included; they are the last q_len keys), query_start_loc [B+1] int32, tree_bits [T] int64 (bit j: the
     query sees its request's tree key j), out [T,H,512], lse [T,H] float32 (natural log). Requests with q_len 0 write
     nothing. ``max_query_len`` (host int, >= every request's q_len, <= 64) sizes the grid; without it min(T, 64) is
-    used, which is correct but launches idle CTAs for batches of many short requests.
+    used, which is correct but launches idle CTAs for batches of many short requests. The kernel and its sizing
+    come from ``mla_dispatch.mla_launch`` (shapes, GPU, ``VLLM_DDTREE_MLA_*`` knobs).
     """
     if q_nope.dim() != 3 or q_nope.shape[-1] != MLA_KV_LORA_RANK or q_pe.shape[-1] != MLA_ROPE_DIM:
         raise ValueError(f"q_nope must be [T,H,{MLA_KV_LORA_RANK}] and q_pe [T,H,{MLA_ROPE_DIM}], got "
@@ -138,7 +131,8 @@ def mla_tree_verify(
                          f"over unscaled scores), got {softmax_scale}, {kv_scale}")
     if kv_cache.dtype == torch.float8_e4m3fn:
         kv_cache = kv_cache.view(torch.uint8)
-    check_kernel_variant()
+    max_q = int(max_query_len) if max_query_len else min(q_nope.shape[0], MAX_TREE_WIDTH)
+    launch = mla_launch(q_nope.device, max_q * q_nope.shape[1], block_table.shape[0], kv_cache.dtype == torch.uint8)
     q_nope, q_pe = _rows16(q_nope), _rows16(q_pe)
     load_extension()
     torch.ops.ddtree.mla_tree_verify(
@@ -153,5 +147,9 @@ def mla_tree_verify(
         float(kv_scale),
         out,
         lse,
-        int(max_query_len or 0),
+        max_q,
+        launch.kernel,
+        launch.decode_deep,
+        launch.decode_ctas_per_sm,
+        launch.pdl,
     )

@@ -58,8 +58,6 @@
 #include <cuda_fp16.h>
 
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 
 #include "mla_decode_layout.cuh"
 #include "mla_device_utils.cuh"
@@ -98,7 +96,7 @@ struct DecCfg {
 
 // Configurations. Deep (two CTAs fit an SM: sm_90; not sm_80's 164 KB): 32-key tiles, 2 bf16 / 3 fp8 stages
 // (90,112 / 108,544 B, 2 CTAs an SM). Shallow (sm_80 and the 100 KB-per-SM GPUs sm_86 / sm_89 / sm_120, or
-// DDTREE_MLA_VARIANT=decode-shallow): 16-key tiles, 2 stages (45,056 B, two or more CTAs an SM).
+// VLLM_DDTREE_MLA_VARIANT=decode-shallow): 16-key tiles, 2 stages (45,056 B, two or more CTAs an SM).
 constexpr int kDeepSub = 2, kDeepStagesBf16 = 2, kDeepStagesFp8 = 3;
 constexpr int kShallowSub = 1, kShallowStages = 2;
 
@@ -612,32 +610,15 @@ __global__ void __launch_bounds__(1024) mla_combine_wide_kernel(const MlaParams 
     p.lse[tok * p.lse_s0 + head * p.lse_s1] = sum > 0.f ? (mu + log2f(sum)) * kLn2 : -INFINITY;
 }
 
-int device_attr(cudaDeviceAttr a, int device) {
-  int v = 0;
-  if (cudaDeviceGetAttribute(&v, a, device) != cudaSuccess) v = 0;
-  return v;
-}
-
 using DeepBf16 = DecCfg<false, kDeepStagesBf16, kDeepSub>;
 using DeepFp8 = DecCfg<true, kDeepStagesFp8, kDeepSub>;
 static_assert(DecCfg<false, kShallowStages, kShallowSub>::kSmem <= 101376 &&
                   DecCfg<true, kShallowStages, kShallowSub>::kSmem <= 101376,
               "the shallow configuration must fit sm_120's 99 KB per block");
-
-// Deep configuration where two CTAs of it fit an SM, else the shallow one (also when DDTREE_MLA_VARIANT=decode-shallow
-// forces it, so the H200 can run sm_120's configuration). Cached per device.
-bool decode_deep(int device, bool fp8) {
-  if (mla_decode_force_shallow()) return false;
-  static int cache[64][2] = {};  // 0 unknown, 1 shallow, 2 deep
-  int& c = cache[device & 63][fp8 ? 1 : 0];
-  if (c == 0) {
-    const int per_sm = device_attr(cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
-    const int optin = device_attr(cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-    const int need = fp8 ? DeepFp8::kSmem : DeepBf16::kSmem;
-    c = (optin >= need && per_sm >= 2 * (need + 1024)) ? 2 : 1;
-  }
-  return c == 2;
-}
+// The dispatch (vllm_ddtree/kernels/mla_dispatch.py) picks the deep configuration where two CTAs of it fit an SM,
+// from these sizes (constants.MLA_DECODE_DEEP_SMEM_*), else the shallow one.
+static_assert(DeepBf16::kSmem == kDecodeDeepSmemBf16 && DeepFp8::kSmem == kDecodeDeepSmemFp8,
+              "kDecodeDeepSmem* are the deep configurations' shared memory");
 
 template <bool FP8, int STAGES, int KSUB>
 int occupancy(int device) {
@@ -649,20 +630,9 @@ int occupancy(int device) {
   return n;
 }
 
-// Programmatic dependent launch on GPUs that have it (sm_90+) unless DDTREE_MLA_PDL=0: the combine's blocks (and the
-// next call's main kernel) are launched while the kernel before them drains, not after it (cached per device).
-bool use_pdl(int device) {
-  static int cache[64] = {};  // 0 unknown, 1 off, 2 on
-  int& c = cache[device & 63];
-  if (c == 0) {
-    const char* env = std::getenv("DDTREE_MLA_PDL");
-    const bool off = env != nullptr && std::strcmp(env, "0") == 0;
-    c = !off && device_attr(cudaDevAttrComputeCapabilityMajor, device) >= 9 ? 2 : 1;
-  }
-  return c == 2;
-}
-
-// kernel<<<grid, block, smem, stream>>>(p, extra...), with programmatic stream serialization when `pdl`.
+// kernel<<<grid, block, smem, stream>>>(p, extra...), with programmatic stream serialization when `pdl`
+// (programmatic dependent launch, sm_90+: the combine's blocks, and the next call's main kernel, are launched while
+// the kernel before them drains, not after it; the dispatch turns it on for sm_90+ unless VLLM_DDTREE_MLA_PDL=0).
 template <typename... Extra>
 void launch_kernel(void (*kernel)(const MlaParams, Extra...), dim3 grid, int threads, int smem, cudaStream_t stream,
                    bool pdl, const MlaParams& p, Extra... extra) {
@@ -680,18 +650,15 @@ void launch_kernel(void (*kernel)(const MlaParams, Extra...), dim3 grid, int thr
 }
 
 template <bool FP8, int STAGES, int KSUB>
-void launch_decode_main(const MlaParams& p, int device, cudaStream_t stream) {
+void launch_decode_main(const MlaParams& p, int device, bool pdl, cudaStream_t stream) {
   ensure_dynamic_smem<mla_decode_verify_kernel<FP8, STAGES, KSUB>>(DecCfg<FP8, STAGES, KSUB>::kSmem, device);
   launch_kernel(mla_decode_verify_kernel<FP8, STAGES, KSUB>, dim3(p.num_row_tiles, p.num_parts), kDecThreads,
-                DecCfg<FP8, STAGES, KSUB>::kSmem, stream, use_pdl(device), p);
+                DecCfg<FP8, STAGES, KSUB>::kSmem, stream, pdl, p);
 }
 
 }  // namespace
 
-int mla_decode_ctas_per_sm(int device, bool fp8) {
-  const char* env = std::getenv("DDTREE_MLA_DECODE_CTAS_PER_SM");  // tuning knob (host-known, fixed per graph)
-  if (env != nullptr && std::atoi(env) > 0) return std::atoi(env);
-  const bool deep = decode_deep(device, fp8);
+int mla_decode_ctas_per_sm(int device, bool fp8, bool deep) {
   static int cache[64][2][2] = {};
   int& c = cache[device & 63][fp8 ? 1 : 0][deep ? 1 : 0];
   if (c == 0) {
@@ -705,16 +672,15 @@ int mla_decode_ctas_per_sm(int device, bool fp8) {
   return c;
 }
 
-void launch_mla_decode(const MlaParams& p, cudaStream_t stream) {
+void launch_mla_decode(const MlaParams& p, bool deep, bool pdl, cudaStream_t stream) {
   int device = 0;
   cudaGetDevice(&device);
-  const bool deep = decode_deep(device, p.kv_fp8);
   if (p.kv_fp8) {
-    if (deep) launch_decode_main<true, kDeepStagesFp8, kDeepSub>(p, device, stream);
-    else launch_decode_main<true, kShallowStages, kShallowSub>(p, device, stream);
+    if (deep) launch_decode_main<true, kDeepStagesFp8, kDeepSub>(p, device, pdl, stream);
+    else launch_decode_main<true, kShallowStages, kShallowSub>(p, device, pdl, stream);
   } else {
-    if (deep) launch_decode_main<false, kDeepStagesBf16, kDeepSub>(p, device, stream);
-    else launch_decode_main<false, kShallowStages, kShallowSub>(p, device, stream);
+    if (deep) launch_decode_main<false, kDeepStagesBf16, kDeepSub>(p, device, pdl, stream);
+    else launch_decode_main<false, kShallowStages, kShallowSub>(p, device, pdl, stream);
   }
   // combine teams: about 8 pieces a warp for the average request (at most (P + B) / B pieces), 1..32 warps
   const int avg_pieces = (p.num_parts + 2 * p.B - 1) / p.B;
@@ -725,7 +691,7 @@ void launch_mla_decode(const MlaParams& p, cudaStream_t stream) {
   const int per_block = warps >> team_log2;
   const int blocks = static_cast<int>((teams + per_block - 1) / per_block);
   launch_kernel(mla_combine_wide_kernel, dim3(blocks), 32 * warps, static_cast<int>(warps * 32 * sizeof(CombinePart)),
-                stream, use_pdl(device), p, team_log2);
+                stream, pdl, p, team_log2);
 }
 
 }  // namespace ddtree

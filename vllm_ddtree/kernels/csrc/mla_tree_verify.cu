@@ -19,8 +19,6 @@
 #include <cuda_fp8.h>
 
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 
 #include "mla_device_utils.cuh"
 #include "mla_launch.cuh"
@@ -520,33 +518,16 @@ void launch_main(const MlaParams& p, cudaStream_t stream) {
 
 }  // namespace
 
-bool mla_decode_force_shallow() {
-  const char* env = std::getenv("DDTREE_MLA_VARIANT");
-  return env != nullptr && std::strcmp(env, "decode-shallow") == 0;
-}
-
-int mla_pick_variant(int device, int rows, int64_t batch) {
-  const char* env = std::getenv("DDTREE_MLA_VARIANT");
-  if (env != nullptr && std::strcmp(env, "portable") == 0) return kVariantPortable;
-  if (env != nullptr && std::strncmp(env, "decode", 6) == 0) return kVariantDecode;
-  // The decode kernel where a request has few rows. H200, bench/kernel_mla.py --shapes memory-bound / crossover
-  // (2026-12-01): 1.2-2.2x faster than the 64-row kernels at 8-32 rows a request, and at 48-64 rows for one request;
-  // with 64 rows and 8 requests its four 16-row blocks re-reading every KV tile make it 1.3x slower.
-  if (rows <= 32 || (rows <= 64 && batch == 1)) return kVariantDecode;
-  // Resident-V needs ~226 KB of opt-in shared memory (sm_90); sm_80/86/89/120 take the portable path.
-  int optin = 0;
-  if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) optin = 0;
-  const bool fits = optin >= KCfg<false>::kSmem && optin >= KCfg<true>::kSmem;
-  return fits ? kVariantResidentV : kVariantPortable;
-}
+static_assert((KCfg<false>::kSmem > KCfg<true>::kSmem ? KCfg<false>::kSmem : KCfg<true>::kSmem) == kResidentVSmem,
+              "kResidentVSmem (constants.MLA_RESIDENT_V_SMEM) is what the dispatch checks a GPU against");
 
 int mla_variant_block_n(int variant) {
   return variant == kVariantDecode ? 16 : variant == kVariantResidentV ? 64 : 32;
 }
 
-void launch_mla_tree_verify(const MlaParams& p, cudaStream_t stream) {
+void launch_mla_tree_verify(const MlaParams& p, bool decode_deep, bool pdl, cudaStream_t stream) {
   if (p.variant == kVariantDecode) {  // its own planner, kernel and combine (mla_decode_verify.cu)
-    launch_mla_decode(p, stream);
+    launch_mla_decode(p, decode_deep, pdl, stream);
     return;
   }
   launch_mla_sched(p, stream);

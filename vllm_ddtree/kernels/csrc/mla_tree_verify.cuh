@@ -16,6 +16,12 @@ constexpr int kDV = 512;                       // MLA_KV_LORA_RANK
 constexpr int kDRope = 64;                     // MLA_ROPE_DIM
 constexpr int kDQK = 576;                      // MLA_HEAD_DIM
 constexpr double kLog2e = 1.4426950408889634;  // LOG2E
+constexpr int kVariantPortable = 0;            // MLA_KERNEL_PORTABLE
+constexpr int kVariantResidentV = 1;           // MLA_KERNEL_RESIDENT_V
+constexpr int kVariantDecode = 2;              // MLA_KERNEL_DECODE
+constexpr int kResidentVSmem = 231424;         // MLA_RESIDENT_V_SMEM
+constexpr int kDecodeDeepSmemBf16 = 90112;     // MLA_DECODE_DEEP_SMEM_BF16
+constexpr int kDecodeDeepSmemFp8 = 108544;     // MLA_DECODE_DEEP_SMEM_FP8
 static_assert(sizeof(uint64_t) * 8 == kAncestorWordBits, "tree_bits holds one uint64 ancestor word per query");
 static_assert(kMaxTreeTokens == kAncestorWordBits, "one word holds a whole tree, root included");
 static_assert(kMaxTreeBudget == kMaxTreeTokens - 1, "the budget counts the tree's nodes without the root");
@@ -119,9 +125,9 @@ __device__ __forceinline__ bool read_plan_piece(const MlaParams& p, const SchedV
 }
 #endif
 
-constexpr int kVariantPortable = 0;   // <= 99 KB smem, Q in registers: sm_80 / sm_86 / sm_89 / sm_120
-constexpr int kVariantResidentV = 1;  // ~226 KB smem, V resident, whole next tile in flight: sm_90
-constexpr int kVariantDecode = 2;     // 16-row CTAs, several per SM (mla_decode_verify.cu): every GPU, few rows
+// The kernels (ids above, the `kernel` parameter of the op, picked by vllm_ddtree/kernels/mla_dispatch.py):
+// portable: <= 99 KB smem, Q in registers (sm_80 / sm_86 / sm_89 / sm_120); resident-V: ~226 KB smem, V resident,
+// whole next tile in flight (sm_90); decode: 16-row CTAs, several per SM (mla_decode_verify.cu; every GPU, few rows).
 constexpr int kDecodeBM = 16;         // packed rows per decode CTA (row tiles = ceil(max_q * H / 16))
 
 // Number of workspace slots needed for P parts and B requests (split pieces <= 2(P-1)).
@@ -130,25 +136,20 @@ inline int mla_num_slots(int B, int P) {
   return a < b ? a : b;
 }
 
-// Picks the kernel variant of a launch of `rows` = max_q * H packed rows a request and `batch` requests on `device`:
-// decode for few rows a request, else resident-V where the opt-in shared memory allows it (sm_90), else portable.
-// DDTREE_MLA_VARIANT forces one: portable (the sm_120 configuration, testable on an H200), decode (any rows),
-// or decode-shallow (the decode kernel with the 2-stage ring of 100-KB-per-SM GPUs such as sm_120, on any GPU).
-int mla_pick_variant(int device, int rows, int64_t batch);
-// Whether DDTREE_MLA_VARIANT=decode-shallow forces the decode kernel's 2-stage ring.
-bool mla_decode_force_shallow();
 int mla_variant_block_n(int variant);
-// Decode variant: CTAs of its kernel that fit one SM of `device` (occupancy of the configuration it launches there),
-// or DDTREE_MLA_DECODE_CTAS_PER_SM when set. The binding sizes num_parts = this x SMs / row tiles.
-int mla_decode_ctas_per_sm(int device, bool fp8);
-// Decode variant launch: main kernel (each CTA plans its own part), wide combine (mla_decode_verify.cu).
-void launch_mla_decode(const MlaParams& p, cudaStream_t stream);
+// Decode variant: CTAs of its kernel that fit one SM of `device` (occupancy of its deep or shallow configuration);
+// the binding sizes num_parts = this (or the launch's decode_ctas_per_sm) x SMs / row tiles.
+int mla_decode_ctas_per_sm(int device, bool fp8, bool deep);
+// Decode variant launch: main kernel (each CTA plans its own part), wide combine (mla_decode_verify.cu); `deep`: the
+// 32-key-tile configuration, else the shallow one; `pdl`: programmatic dependent launch (sm_90+).
+void launch_mla_decode(const MlaParams& p, bool deep, bool pdl, cudaStream_t stream);
 
 // Portable variant's main kernel (mla_tree_verify_portable.cu); launch_mla_tree_verify runs the scheduler before it
 // and the combine after it.
 void launch_mla_portable_main(const MlaParams& p, cudaStream_t stream);
 
-// Launches scheduler, main kernel and combine on `stream`. No host synchronization, no host reads of device data.
-void launch_mla_tree_verify(const MlaParams& p, cudaStream_t stream);
+// Launches scheduler, main kernel and combine on `stream` (the decode variant: configured by decode_deep, pdl). No
+// host synchronization, no host reads of device data.
+void launch_mla_tree_verify(const MlaParams& p, bool decode_deep, bool pdl, cudaStream_t stream);
 
 }  // namespace ddtree
