@@ -59,7 +59,7 @@ def build_rate_library(arch: str, cache: Path | None = None) -> Path:
     if nvcc is None:
         raise FileNotFoundError("nvcc not found: set CUDA_HOME to a CUDA toolkit to measure the mma.sync rate")
     include = csrc_dir()
-    key = hashlib.sha256(SOURCE.read_bytes() + (include / "mla_device_utils.cuh").read_bytes() + arch.encode())
+    key = hashlib.sha256(SOURCE.read_bytes() + (include / "device_utils.cuh").read_bytes() + arch.encode())
     key = key.hexdigest()[:16]
     cache = cache or cache_root() / "bench"
     cache.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from vllm_ddtree import constants
 
-HEADER = Path(constants.__file__).resolve().parent / "kernels" / "csrc" / "mla_tree_verify.cuh"
+HEADER = Path(constants.__file__).resolve().parent / "kernels" / "csrc" / "params.h"
 MIRROR = re.compile(r"^constexpr\s+(?:int|double)\s+(k\w+)\s*=\s*([0-9.]+);\s*//\s*([A-Z][A-Z0-9_]*)\s*$", re.M)
 
 

@@ -1,7 +1,9 @@
-"""CI (CPU): csrc compiles for sm_80, sm_90 and sm_120 with nvcc, and the object carries sm_120 SASS.
+"""CI (CPU): csrc compiles for sm_80, sm_90 and sm_120 with nvcc, and the object carries sm_120 SASS (mma.sync,
+no wgmma / tcgen05 / TMA).
 
-Needs only nvcc (no GPU). The .cu files are torch-free, so they compile straight to one object each; the binding is
-syntax-checked against torch's headers when the host compiler is present.
+Needs only nvcc (no GPU). The .cu files are torch-free, so they compile straight to one object each (csrc/ is the
+include root, as in the extension build); the binding is syntax-checked against torch's headers when the host
+compiler is present.
 """
 
 from __future__ import annotations
@@ -17,6 +19,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "vllm_ddtree" / "kernels" / "csrc"
 ARCHS = ("80", "90", "120")
+CU_SOURCES = ("scheduling/sched_kernel.cu", "variants/resident_v.cu", "variants/portable.cu", "variants/decode.cu",
+              "combine/combine.cu")
+# Hopper / Blackwell-datacenter-only SASS (wgmma, tcgen05 and TMEM, TMA): sm_120 must stay on mma.sync.
+NOT_ON_SM120 = re.compile(r"\b(HGMMA|UTC\w+|UTMA\w+|UBLKCP)\b")
 
 
 def _nvcc() -> str | None:
@@ -49,12 +55,11 @@ def _spills(stderr: str) -> dict[str, int]:
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found (set CUDA_HOME); the CUDA build check needs the toolkit")
-@pytest.mark.parametrize("src", ["mla_tree_verify.cu", "mla_tree_verify_portable.cu", "mla_tree_verify_sched.cu",
-                                 "mla_decode_verify.cu"])
+@pytest.mark.parametrize("src", CU_SOURCES)
 def test_cu_builds_for_80_90_120(src: str, tmp_path: Path) -> None:
-    obj = tmp_path / (src + ".o")
+    obj = tmp_path / (Path(src).name + ".o")
     gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in ARCHS]
-    cmd = [NVCC, "-std=c++17", "-O3", "-c", str(CSRC / src), "-o", str(obj), f"--threads={len(ARCHS)}",
+    cmd = [NVCC, "-std=c++17", "-O3", f"-I{CSRC}", "-c", str(CSRC / src), "-o", str(obj), f"--threads={len(ARCHS)}",
            "-Xptxas=-warn-spills", *gencode]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
@@ -68,11 +73,20 @@ def test_cu_builds_for_80_90_120(src: str, tmp_path: Path) -> None:
     assert listing.returncode == 0, listing.stderr
     for a in ARCHS:
         assert f"sm_{a}" in listing.stdout, f"no sm_{a} cubin in {src}:\n{listing.stdout}"
-    if src != "mla_tree_verify_sched.cu":  # the tensor-core path really is in the sm_120 SASS
-        sass = subprocess.run([dump, "--dump-sass", "--gpu-architecture", "sm_120", str(obj)], capture_output=True,
-                              text=True, timeout=300)
-        assert sass.returncode == 0, sass.stderr
+    sass = subprocess.run([dump, "--dump-sass", "--gpu-architecture", "sm_120", str(obj)], capture_output=True,
+                          text=True, timeout=300)
+    assert sass.returncode == 0, sass.stderr
+    assert not NOT_ON_SM120.search(sass.stdout), f"sm_120 SASS of {src} uses {NOT_ON_SM120.search(sass.stdout)[0]}"
+    if src.startswith("variants/"):  # the tensor-core path really is in the sm_120 SASS
         assert "HMMA" in sass.stdout and "LDSM" in sass.stdout, "sm_120 SASS lacks HMMA/LDSM"
+
+
+def test_the_build_compiles_these_sources() -> None:
+    pytest.importorskip("torch")
+    from vllm_ddtree.kernels import ops
+
+    assert {s for s in ops.SOURCES if s.endswith(".cu")} == set(CU_SOURCES)
+    assert all((CSRC / s).is_file() for s in ops.SOURCES)
 
 
 @pytest.mark.skipif(NVCC is None or shutil.which("c++") is None, reason="needs nvcc and a host C++ compiler")
@@ -80,7 +94,7 @@ def test_binding_syntax() -> None:
     torch_ext = pytest.importorskip("torch.utils.cpp_extension")
     cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
     incs = [f"-I{p}" for p in torch_ext.include_paths()] + [f"-I{cuda_home}/include"]
-    cmd = ["c++", "-std=c++17", "-fsyntax-only", *incs, str(CSRC / "bindings.cpp")]
+    cmd = ["c++", "-std=c++17", "-fsyntax-only", *incs, f"-I{CSRC}", str(CSRC / "api" / "bindings.cpp")]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
 
@@ -153,8 +167,8 @@ def test_csrc_override_is_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     pytest.importorskip("torch")
     from vllm_ddtree.kernels import ops
 
-    (tmp_path / "other" / "csrc").mkdir(parents=True)
-    (tmp_path / "other" / "csrc" / "bindings.cpp").write_text("// stand-in\n")
+    (tmp_path / "other" / "csrc" / "api").mkdir(parents=True)
+    (tmp_path / "other" / "csrc" / "api" / "bindings.cpp").write_text("// stand-in\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("VLLM_DDTREE_CSRC", "other/csrc")
     assert ops.csrc_dir() == (tmp_path / "other" / "csrc").resolve()

@@ -19,10 +19,10 @@ from vllm_ddtree import envs
 from vllm_ddtree.constants import MAX_TREE_WIDTH, MLA_HEAD_DIM, MLA_KV_LORA_RANK, MLA_ROPE_DIM
 from vllm_ddtree.kernels.mla_dispatch import mla_launch
 
-_SOURCES = ("bindings.cpp", "mla_tree_verify.cu", "mla_tree_verify_portable.cu", "mla_tree_verify_sched.cu",
-            "mla_decode_verify.cu")
-_HEADERS = ("mla_tree_verify.cuh", "mla_device_utils.cuh", "mla_decode_layout.cuh", "mla_sched_plan.cuh",
-            "mla_launch.cuh", "mla_row_tile.cuh", "host_device.cuh")
+# The extension's translation units, relative to csrc/ (which is also the include root). Every file under csrc/, the
+# headers included, enters the build's cache key.
+SOURCES = ("api/bindings.cpp", "scheduling/sched_kernel.cu", "variants/resident_v.cu", "variants/portable.cu",
+           "variants/decode.cu", "combine/combine.cu")
 _lock = threading.Lock()
 _loaded = False
 
@@ -32,11 +32,11 @@ def csrc_dir() -> Path:
     ``vllm_ddtree/kernels/csrc``."""
     override = envs.VLLM_DDTREE_CSRC
     if override:
-        if not (Path(override) / _SOURCES[0]).is_file():
-            raise FileNotFoundError(f"VLLM_DDTREE_CSRC={override} has no {_SOURCES[0]}; point it at a csrc/ tree")
+        if not (Path(override) / SOURCES[0]).is_file():
+            raise FileNotFoundError(f"VLLM_DDTREE_CSRC={override} has no {SOURCES[0]}; point it at a csrc/ tree")
         return Path(override).resolve()  # absolute: the build files name the sources
     packaged = Path(__file__).resolve().parent / "csrc"
-    if not (packaged / _SOURCES[0]).is_file():
+    if not (packaged / SOURCES[0]).is_file():
         raise FileNotFoundError(f"vllm_ddtree: the kernel sources are missing from {packaged}")
     return packaged
 
@@ -47,11 +47,12 @@ def cache_root() -> Path:
 
 
 def _build_dir(src: Path, arch_list: str) -> tuple[str, Path]:
-    """Cache key: source contents + arch list + torch/CUDA versions, so a stale build is never loaded."""
+    """Cache key: every source file's path and contents + arch list + torch/CUDA versions, so a stale build is never
+    loaded."""
     h = hashlib.sha256()
-    for name in _SOURCES + _HEADERS:
-        h.update(name.encode())
-        h.update((src / name).read_bytes())
+    for path in sorted(p for p in src.rglob("*") if p.is_file()):
+        h.update(path.relative_to(src).as_posix().encode())
+        h.update(path.read_bytes())
     h.update(f"{arch_list}|{torch.__version__}|{torch.version.cuda}".encode())
     key = h.hexdigest()[:16]
     d = cache_root() / "torch_ext" / f"ddtree_C_{key}"
@@ -79,7 +80,8 @@ def load_extension(verbose: bool = False) -> None:
         name, bdir = _build_dir(src, arch_list)
         load(
             name=name,
-            sources=[str(src / s) for s in _SOURCES],
+            sources=[str(src / s) for s in SOURCES],
+            extra_include_paths=[str(src)],
             extra_cflags=["-O3", "-std=c++17"],
             extra_cuda_cflags=["-O3", "-std=c++17", "-lineinfo", "--threads=4"],
             build_directory=str(bdir),

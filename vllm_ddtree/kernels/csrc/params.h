@@ -1,5 +1,6 @@
-// MLA tree-verify attention: shared declarations for the kernels (.cu) and the torch binding (.cpp).
-// Kept free of torch headers so the .cu files compile with plain nvcc (CI build test).
+// MLA tree-verify attention: the parameters every kernel and the torch binding (api/bindings.cpp) share: the constants
+// mirrored from vllm_ddtree/constants.py (with static_asserts on how they relate), the kernel ids, the split buffers'
+// layouts and MlaParams. Kept free of torch headers so the .cu files compile with plain nvcc (CI build test).
 #pragma once
 
 #include <cstdint>
@@ -33,7 +34,7 @@ constexpr int kSchedOverhead = 5;  // per-piece cost in KV tiles, used by the de
 // more than this (log2 units), so P <= 2^8 (bf16 keeps its relative precision) and O is rescaled on few tiles.
 constexpr float kRescaleSlack = 8.f;
 
-// Split plan of the 64-row kernels' planner (mla_sched_kernel), one int32 buffer. MP = B + P pieces at most (each
+// Split plan of the 64-row kernels' planner (scheduling/sched_kernel.cu), one int32 buffer. MP = B + P pieces at most (each
 // piece ends a request or a part).
 struct SchedView {
   int* part_begin;   // [P+1] piece range of each part
@@ -57,7 +58,7 @@ struct SchedView {
 };
 
 // The decode variant's split buffer: only what its combine reads. Its kernel derives the pieces in every CTA
-// (mla_sched_plan.cuh) and writes these two arrays; nothing lists the pieces.
+// (scheduling/sched_plan.cuh) and writes these two arrays; nothing lists the pieces.
 struct DecodeSplitView {
   int* req_npieces;  // [B] pieces of the request (0: no tiles)
   int* req_slot0;    // [B] workspace slot of its first piece, -1 unless split
@@ -99,57 +100,21 @@ struct MlaParams {
   int block_n;    // KV tile width of that variant (the scheduler plans in these tiles)
 };
 
-#ifdef __CUDACC__
-// One piece of the plan as the 64-row kernels read it: its request's packed rows first, and the rest only when the
-// CTA's row tile (rows row0 .. row0 + kBM - 1) reaches into them; false (nothing else read) when it does not.
-struct PlanPiece {
-  int q0, rows;       // the request's first query token and packed rows (q_len x H)
-  int L, tree_start;  // its keys (tree tokens included) and the first tree key
-  int t0, t1, slot;   // the piece's KV tiles and workspace slot (-1: the request's only piece)
-  const int* bt;      // the request's block-table row
-};
-__device__ __forceinline__ bool read_plan_piece(const MlaParams& p, const SchedView& sv, int pc, int row0,
-                                                PlanPiece& v) {
-  const int b = sv.piece_req[pc];
-  v.q0 = p.qsl[b];
-  const int n = p.qsl[b + 1] - v.q0;
-  v.rows = n * p.H;
-  if (row0 >= v.rows) return false;
-  v.L = p.seq_lens[b];
-  v.tree_start = v.L - n;
-  v.t0 = sv.piece_t0[pc];
-  v.t1 = sv.piece_t1[pc];
-  v.slot = sv.piece_slot[pc];
-  v.bt = p.block_table + (int64_t)b * p.bt_stride;
-  return true;
-}
-#endif
-
 // The kernels (ids above, the `kernel` parameter of the op, picked by vllm_ddtree/kernels/mla_dispatch.py):
-// portable: <= 99 KB smem, Q in registers (sm_80 / sm_86 / sm_89 / sm_120); resident-V: ~226 KB smem, V resident,
-// whole next tile in flight (sm_90); decode: 16-row CTAs, several per SM (mla_decode_verify.cu; every GPU, few rows).
+// portable: <= 99 KB smem, Q in registers (sm_80 / sm_86 / sm_89 / sm_120; variants/portable.cu); resident-V:
+// ~226 KB smem, V resident, whole next tile in flight (sm_90; variants/resident_v.cu); decode: 16-row CTAs, several
+// per SM (every GPU, few rows a request; variants/decode.cu).
 constexpr int kDecodeBM = 16;         // packed rows per decode CTA (row tiles = ceil(max_q * H / 16))
+
+// KV tile width of a kernel: the 64-row kernels' scheduler plans in these tiles (each kernel static_asserts its own).
+constexpr int mla_variant_block_n(int variant) {
+  return variant == kVariantDecode ? 16 : variant == kVariantResidentV ? 64 : 32;
+}
 
 // Number of workspace slots needed for P parts and B requests (split pieces <= 2(P-1)).
 inline int mla_num_slots(int B, int P) {
   const int a = B + P, b = 2 * P;
   return a < b ? a : b;
 }
-
-int mla_variant_block_n(int variant);
-// Decode variant: CTAs of its kernel that fit one SM of `device` (occupancy of its deep or shallow configuration);
-// the binding sizes num_parts = this (or the launch's decode_ctas_per_sm) x SMs / row tiles.
-int mla_decode_ctas_per_sm(int device, bool fp8, bool deep);
-// Decode variant launch: main kernel (each CTA plans its own part), wide combine (mla_decode_verify.cu); `deep`: the
-// 32-key-tile configuration, else the shallow one; `pdl`: programmatic dependent launch (sm_90+).
-void launch_mla_decode(const MlaParams& p, bool deep, bool pdl, cudaStream_t stream);
-
-// Portable variant's main kernel (mla_tree_verify_portable.cu); launch_mla_tree_verify runs the scheduler before it
-// and the combine after it.
-void launch_mla_portable_main(const MlaParams& p, cudaStream_t stream);
-
-// Launches scheduler, main kernel and combine on `stream` (the decode variant: configured by decode_deep, pdl). No
-// host synchronization, no host reads of device data.
-void launch_mla_tree_verify(const MlaParams& p, bool decode_deep, bool pdl, cudaStream_t stream);
 
 }  // namespace ddtree

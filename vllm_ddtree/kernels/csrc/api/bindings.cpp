@@ -10,34 +10,30 @@
 
 #include <cmath>
 
-#include "mla_tree_verify.cuh"
+#include "device_cache.h"
+#include "entry_points.h"
+#include "params.h"
 
 namespace {
 
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
-// SM count of `device`, cached (ATen/cuda/CUDAContext.h would pull in cuSPARSE headers that CPU CI boxes lack).
-int num_sms(int device) {
-  static int cache[64] = {0};
-  if (device < 0 || device >= 64) device = 0;
-  if (cache[device] == 0) {
-    int v = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device));
-    cache[device] = v;
+// The launch sequence on `stream`: the decode kernel plans in its own CTAs, then its wide combine; the 64-row
+// kernels run after the device scheduler and before their combine. No host synchronization, no host reads of device
+// data.
+void launch(const ddtree::MlaParams& p, bool decode_deep, bool pdl, cudaStream_t stream) {
+  if (p.variant == ddtree::kVariantDecode) {
+    ddtree::launch_mla_decode(p, decode_deep, pdl, stream);
+    ddtree::launch_mla_combine_wide(p, pdl, stream);
+    return;
   }
-  return cache[device];
-}
-
-// Opt-in shared memory a block of `device`, cached.
-int smem_optin(int device) {
-  static int cache[64] = {0};
-  if (device < 0 || device >= 64) device = 0;
-  if (cache[device] == 0) {
-    int v = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    cache[device] = v;
+  ddtree::launch_mla_sched(p, stream);
+  if (p.variant == ddtree::kVariantResidentV) {
+    ddtree::launch_mla_resident_v(p, stream);
+  } else {
+    ddtree::launch_mla_portable(p, stream);
   }
-  return cache[device];
+  ddtree::launch_mla_combine(p, stream);
 }
 
 void mla_tree_verify_cuda(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& kv_cache,
@@ -103,19 +99,21 @@ void mla_tree_verify_cuda(const at::Tensor& q_nope, const at::Tensor& q_pe, cons
 
   const c10::cuda::CUDAGuard guard(q_nope.device());
   const int device = q_nope.get_device();
-  const int sms = num_sms(device);
-  TORCH_CHECK(kernel != ddtree::kVariantResidentV || smem_optin(device) >= ddtree::kResidentVSmem,
+  const ddtree::DeviceInfo& info = ddtree::device_info(device);
+  TORCH_CHECK(info.sms > 0, "mla_tree_verify: could not query the attributes of CUDA device ", device);
+  const int sms = info.sms;
+  TORCH_CHECK(kernel != ddtree::kVariantResidentV || info.smem_per_block_optin >= ddtree::kResidentVSmem,
               "the resident-V kernel needs ", ddtree::kResidentVSmem, " bytes of shared memory a block; this GPU "
-              "has ", smem_optin(device));
+              "has ", info.smem_per_block_optin);
   TORCH_CHECK(kernel != ddtree::kVariantDecode || !decode_deep ||
-                  smem_optin(device) >= (fp8 ? ddtree::kDecodeDeepSmemFp8 : ddtree::kDecodeDeepSmemBf16),
+                  info.smem_per_block_optin >= (fp8 ? ddtree::kDecodeDeepSmemFp8 : ddtree::kDecodeDeepSmemBf16),
               "the decode kernel's deep configuration does not fit this GPU's shared memory a block");
   const int rows = static_cast<int>(max_q * H);  // packed rows per request, fixed per graph
   const int variant = static_cast<int>(kernel);
   int row_tiles, parts;
   if (variant == ddtree::kVariantDecode) {
     // 16-row CTAs, several per SM: as many parts as CTAs that fit the GPU at once (each CTA cuts its own part of
-    // the requests' tiles out of the line plan, mla_sched_plan.cuh: its cost grows with B, not with the parts)
+    // the requests' tiles out of the line plan, scheduling/sched_plan.cuh: its cost grows with B, not with the parts)
     row_tiles = (rows + ddtree::kDecodeBM - 1) / ddtree::kDecodeBM;
     const int ctas = decode_ctas_per_sm > 0 ? static_cast<int>(decode_ctas_per_sm)
                                             : ddtree::mla_decode_ctas_per_sm(device, fp8, decode_deep);
@@ -175,7 +173,7 @@ void mla_tree_verify_cuda(const at::Tensor& q_nope, const at::Tensor& q_pe, cons
   p.ws_o_bf16 = bf16_partials ? static_cast<uint16_t*>(ws_o.data_ptr()) : nullptr;
   p.ws_lse = ws_lse.data_ptr<float>();
 
-  ddtree::launch_mla_tree_verify(p, decode_deep, pdl, c10::cuda::getCurrentCUDAStream().stream());
+  launch(p, decode_deep, pdl, c10::cuda::getCurrentCUDAStream().stream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
