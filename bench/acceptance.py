@@ -5,7 +5,7 @@ every configuration greedily continues the same held-out prompts (``models/heldo
 held-out stdlib stream, never trained on). Reported per configuration: mean acceptance length (1 + accepted /
 drafts, vLLM's own counters), output tokens per second, how many sequences equal the no-speculation output, and
 where the others first leave it: at a near-tie of the reference (its top two tokens within 1 nat, a bf16 rounding
-flip) or elsewhere (a real difference; ``vllm_ddtree.greedy_equality``).
+flip) or elsewhere (a real difference; ``tests/kit/greedy_equality.py``).
 Each batch size runs the prompts once untimed, so one-off costs (Triton compiles of first-seen shapes, lazy
 allocations) stay out of the numbers, then ``--passes`` timed passes whose median is reported (a batch-16 pass lasts
 well under a second, so one host hiccup would otherwise move it by 3x); prefix caching is off, so every pass prefills.
@@ -42,6 +42,7 @@ from engine_probes import (
 from meta import run_meta
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # the greedy-equality checks of the test kit (tests/kit)
 PAIRS = {"gqa": ("stdlib-qwen3-tiny", "stdlib-qwen3-tiny-dflash"), "mla": ("stdlib-mla-tiny", "stdlib-mla-tiny-dflash")}
 PROMPTS = ROOT / "models" / "heldout_prompts.json"
 HELDOUT_STREAM = Path.home() / ".cache" / "vllm-ddtree" / "stdlib-data" / "heldout.u16"
@@ -87,7 +88,7 @@ def _decode(llm: object, prompts: list[dict], params: object, batch: int) -> lis
 
 def _warm_up(llm: object, prompts: list[dict], params: object, batch: int, reference: bool) -> list[list[float]]:
     """One untimed pass; for the reference (no speculation) with ``logprobs=2``, returning each position's gap
-    between the best and the runner-up token (``vllm_ddtree.greedy_equality``)."""
+    between the best and the runner-up token (``tests/kit/greedy_equality.py``)."""
     from kit.greedy_equality import greedy_with_gaps
 
     if not reference:
@@ -148,7 +149,7 @@ def run_one(args: argparse.Namespace) -> None:
 def summarize(rows: list[dict]) -> list[dict]:
     """Rows without token lists, with equality to and speed-up over no speculation (same pair and batch): how many
     sequences are identical, and how many first diverge at a near-tie of the reference vs elsewhere (a real
-    difference; see ``vllm_ddtree.greedy_equality``)."""
+    difference; see ``tests/kit/greedy_equality.py``)."""
     from kit.greedy_equality import compare_greedy
 
     ref = {(r["pair"], r["batch"]): r for r in rows if r["method"] == "none"}

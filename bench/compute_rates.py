@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/meta.py
 
 from meta import run_meta  # noqa: E402
 
-from vllm_ddtree.ops import cache_root, csrc_dir  # noqa: E402
+from vllm_ddtree import envs  # noqa: E402
+from vllm_ddtree.kernels.ops import cache_root, csrc_dir  # noqa: E402
 
 SOURCE = Path(__file__).resolve().parent / "mma_sync_rate.cu"
 
@@ -51,8 +52,7 @@ def gemm_tflops(n: int = 8192, reps: int = 10) -> float:
 
 
 def nvcc_path() -> str | None:
-    home = os.environ.get("CUDA_HOME") or "/usr/local/cuda"
-    cand = Path(home) / "bin" / "nvcc"
+    cand = Path(envs.CUDA_HOME) / "bin" / "nvcc"
     return str(cand) if cand.is_file() else shutil.which("nvcc")
 
 
@@ -62,7 +62,7 @@ def build_rate_library(arch: str, cache: Path | None = None) -> Path:
     if nvcc is None:
         raise FileNotFoundError("nvcc not found: set CUDA_HOME to a CUDA toolkit to measure the mma.sync rate")
     include = csrc_dir()
-    key = hashlib.sha256(SOURCE.read_bytes() + (include / "mla_device_utils.cuh").read_bytes() + arch.encode())
+    key = hashlib.sha256(SOURCE.read_bytes() + (include / "device_utils.cuh").read_bytes() + arch.encode())
     key = key.hexdigest()[:16]
     cache = cache or cache_root() / "bench"
     cache.mkdir(parents=True, exist_ok=True)

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/meta.py
 from meta import repo_path, run_meta  # noqa: E402
 
 from bench.compute_rates import floor_us, gemm_tflops, mma_sync_rates  # noqa: E402
+from vllm_ddtree import envs  # noqa: E402
 
 SHAPES = [(1, 32768, 64, 16), (1, 32768, 64, 64), (1, 131072, 64, 16), (1, 32768, 128, 16), (8, 8192, 64, 16),
           (32, 4096, 16, 16)]
@@ -148,7 +149,7 @@ def hopper_split_time(q: torch.Tensor, caches: list, tables: list, B: int, L: in
     no-op here: every request has N rows)."""
     from vllm.third_party.flashmla.flash_mla_interface import flash_mla_with_kvcache, get_mla_metadata
 
-    from vllm_ddtree.mla_tree_tail import split_verify
+    from vllm_ddtree.kernels import split_verify
 
     scale = 1 / math.sqrt(576)
     q4 = q.view(B, N, H, 576).contiguous()
@@ -176,7 +177,7 @@ def kernel_breakdown_us(fn, calls: int = 20) -> dict[str, float]:
     """Device microseconds per launch of each kernel ``fn`` launches (eager, torch.profiler): where the time of one
     call goes (split planner, main kernel, combine); their sum leaves out the gaps between launches. With programmatic
     dependent launch (the decode kernel on sm_90+) a kernel's span includes its wait on the one before it: run with
-    DDTREE_MLA_PDL=0 for separate times."""
+    VLLM_DDTREE_MLA_PDL=0 for separate times."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(3):
@@ -204,7 +205,7 @@ def time_shape(B: int, L: int, H: int, N: int, page: int, fp8: bool, rotate: int
                baselines: dict | None = None, breakdown: bool = False) -> dict:
     """Our kernel on one shape; ``baselines`` (a dict, filled on the first variant of the shape and reused by the
     next) adds the baseline timings and our ratios to them; ``breakdown`` the device time per kernel."""
-    from vllm_ddtree.ops import mla_tree_verify
+    from vllm_ddtree.kernels import mla_tree_verify
 
     rng = random.Random(0)
     T = B * N
@@ -231,7 +232,7 @@ def time_shape(B: int, L: int, H: int, N: int, page: int, fp8: bool, rotate: int
     us = graph_time_us(step, reps, rotate)
     flops, kv_bytes = shape_work(B, L, H, N, fp8)
     row = dict(B=B, L=L, H=H, N=N, page=page, fp8=fp8, us=round(us, 2), tflops=round(flops / us / 1e6, 1),
-               kv_gbs=round(kv_bytes / us / 1e3, 1), variant=os.environ.get("DDTREE_MLA_VARIANT", "auto"))
+               kv_gbs=round(kv_bytes / us / 1e3, 1), variant=envs.VLLM_DDTREE_MLA_VARIANT)
     if breakdown:
         c, bt = caches[0], tables[0]
         row["kernels_us"] = kernel_breakdown_us(
@@ -254,7 +255,7 @@ def main() -> None:
     ap.add_argument("--rotate", type=int, default=4)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--variants", default="auto,portable",
-                    help="comma list of DDTREE_MLA_VARIANT values: auto (the decode kernel at few rows a request, "
+                    help="comma list of VLLM_DDTREE_MLA_VARIANT values: auto (the decode kernel at few rows a request, "
                          "else resident-V where smem allows, e.g. sm_90, else portable), portable (sm_120 config), "
                          "decode (the 16-row decode kernel, at every size), decode-shallow (decode with sm_120's "
                          "2-stage ring)")
@@ -281,12 +282,10 @@ def main() -> None:
     shape_baselines: dict = {shape: {} for shape in shapes}
     print(f"{'variant':>8} {'B':>3} {'L':>7} {'H':>4} {'N':>3} {'us':>9} {'TFLOP/s':>8} {'KV GB/s':>8} {'%copyBW':>7} "
           f"{'floor':>8} {'floor_mma':>9}  (floors in us: at the GEMM rate / at the mma.sync peak)")
-    from vllm_ddtree.ops import KERNEL_VARIANTS
-
     for var in args.variants.split(","):
-        if var not in KERNEL_VARIANTS:
-            raise SystemExit(f"unknown variant {var!r}: one of {', '.join(KERNEL_VARIANTS)}")
-        os.environ["DDTREE_MLA_VARIANT"] = var
+        if var not in envs.MLA_VARIANTS:
+            raise SystemExit(f"unknown variant {var!r}: one of {', '.join(envs.MLA_VARIANTS)}")
+        os.environ["VLLM_DDTREE_MLA_VARIANT"] = var
         for B, L, H, N in shapes:
             r = time_shape(B, L, H, N, args.page, args.fp8, args.rotate, args.reps,
                            shape_baselines[(B, L, H, N)] if args.baselines else None, args.breakdown)
@@ -307,12 +306,11 @@ def main() -> None:
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
-            csrc = os.environ.get("VLLM_DDTREE_CSRC")
             json.dump(dict(meta=run_meta(), device=torch.cuda.get_device_name(), copy_gbs=round(bw, 1),
                            gemm_tflops=round(gemm, 1),
                            mma_sync_tflops=round(mma_sync, 1), rotate=args.rotate,
                            shapes=args.shapes, method="CUDA-graph replay, median over reps, per call",
-                           csrc=repo_path(csrc) if csrc else "repository", rows=rows), f, indent=1)
+                           csrc=repo_path(envs.VLLM_DDTREE_CSRC) if envs.VLLM_DDTREE_CSRC else "package", rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

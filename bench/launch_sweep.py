@@ -40,7 +40,7 @@ DEPTH = 15
 
 
 def _tail_calls(caches: list, tables: list, inputs: tuple, parts: int) -> None:
-    from vllm_ddtree.mla_tree_tail import mla_tree_tail
+    from vllm_ddtree.kernels import mla_tree_tail
 
     q_nope, q_pe, seq_lens, qsl, bits, out, lse, n = inputs
     for cache, table in zip(caches, tables, strict=True):
@@ -49,7 +49,7 @@ def _tail_calls(caches: list, tables: list, inputs: tuple, parts: int) -> None:
 
 def tail_rows(reps: int, rotate: int = 4, context: int = 4096, page: int = 64) -> list[dict]:
     """``mla_tree_tail`` per output-part count, each shape."""
-    from vllm_ddtree import mla_tree_tail as tail
+    from vllm_ddtree.kernels.mla_tree_tail import BLOCK_M, V_SPLITS, output_parts
 
     rng = random.Random(0)
     rows = []
@@ -65,15 +65,15 @@ def tail_rows(reps: int, rotate: int = 4, context: int = 4096, page: int = 64) -
         bits = torch.tensor(sum((random_tree_bits(N, rng) for _ in range(B)), []), dtype=torch.int64, device="cuda")
         out = torch.empty(T, H, 512, dtype=torch.bfloat16, device="cuda")
         lse = torch.empty(T, H, dtype=torch.float32, device="cuda")
-        programs = B * math.ceil(N * H / tail.BLOCK_M)
-        row = dict(B=B, H=H, N=N, default_parts=tail.output_parts(programs))
+        programs = B * math.ceil(N * H / BLOCK_M)
+        row = dict(B=B, H=H, N=N, default_parts=output_parts(programs))
         inputs = (q[..., :512], q[..., 512:], seq_lens, qsl, bits, out, lse, N)
-        for parts in tail.V_SPLITS:
+        for parts in V_SPLITS:
             run = partial(_tail_calls, caches, tables, inputs, parts)
             row[f"us_parts_{parts}"] = round(graph_time_us(run, reps, rotate), 2)
-        row["best_parts"] = min(tail.V_SPLITS, key=lambda p: row[f"us_parts_{p}"])
+        row["best_parts"] = min(V_SPLITS, key=lambda p: row[f"us_parts_{p}"])
         rows.append(row)
-        times = "  ".join(f"{p}: {row[f'us_parts_{p}']:7.2f}" for p in tail.V_SPLITS)
+        times = "  ".join(f"{p}: {row[f'us_parts_{p}']:7.2f}" for p in V_SPLITS)
         choice = f"default {row['default_parts']}, best {row['best_parts']}"
         print(f"tail B={B:>2} H={H:>3} N={N:>2}  {times}  us   {choice}", flush=True)
     return rows

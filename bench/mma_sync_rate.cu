@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "mla_device_utils.cuh"
+#include "device_utils.cuh"
 
 namespace {
 

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/meta.py
 from meta import run_meta  # noqa: E402
 
 from bench.tree_ops import gpu_median_us  # noqa: E402
-from vllm_ddtree.mla_tree_tail import pack_context_query  # noqa: E402
+from vllm_ddtree.kernels import pack_context_query  # noqa: E402
 
 HEADS = 64
 # (batch, tree width): batch 1 and 16 at budgets 15 / 63, and the 32-request batch of the kernel bench.

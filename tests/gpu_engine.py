@@ -52,7 +52,7 @@ def generate_with_margins(llm, batch_prompts: list[dict], batch: int) -> tuple[l
 
 def assert_equal_up_to_near_ties(label: str, got: list[list[int]], want: list[list[int]],
                                  gaps: list[list[float]]) -> None:
-    """bf16 losslessness (``vllm_ddtree.greedy_equality``); prints what it saw."""
+    """bf16 losslessness (``tests/kit/greedy_equality.py``); prints what it saw."""
     from kit.greedy_equality import compare_greedy
 
     seen = compare_greedy(got, want, gaps)

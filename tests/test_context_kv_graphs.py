@@ -1,5 +1,5 @@
 """DFlash's context K/V write and its combine of the target's auxiliary hidden states, replayed from CUDA graphs
-(``vllm_ddtree.context_kv_graphs``): a replay writes what the eager code writes, the capture itself writes nothing
+(``vllm_ddtree.v2.graphs``): a replay writes what the eager code writes, the capture itself writes nothing
 into the cache, and every call a graph cannot serve runs (or is left to) the eager code."""
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
-"""CI (CPU): csrc compiles for sm_80, sm_90 and sm_120 with nvcc, and the object carries sm_120 SASS.
+"""CI (CPU): csrc compiles for sm_80, sm_90 and sm_120 with nvcc, and the object carries sm_120 SASS (mma.sync,
+no wgmma / tcgen05 / TMA).
 
-Needs only nvcc (no GPU). The .cu files are torch-free, so they compile straight to one object each; the binding is
-syntax-checked against torch's headers when the host compiler is present.
+Needs only nvcc (no GPU). The .cu files are torch-free, so they compile straight to one object each (csrc/ is the
+include root, as in the extension build); the binding is syntax-checked against torch's headers when the host
+compiler is present.
 """
 
 from __future__ import annotations
@@ -15,8 +17,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-CSRC = ROOT / "csrc"
+CSRC = ROOT / "vllm_ddtree" / "kernels" / "csrc"
 ARCHS = ("80", "90", "120")
+CU_SOURCES = ("scheduling/sched_kernel.cu", "variants/resident_v.cu", "variants/portable.cu", "variants/decode.cu",
+              "combine/combine.cu")
+# Hopper / Blackwell-datacenter-only SASS (wgmma, tcgen05 and TMEM, TMA): sm_120 must stay on mma.sync.
+NOT_ON_SM120 = re.compile(r"\b(HGMMA|UTC\w+|UTMA\w+|UBLKCP)\b")
 
 
 def _nvcc() -> str | None:
@@ -49,12 +55,11 @@ def _spills(stderr: str) -> dict[str, int]:
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found (set CUDA_HOME); the CUDA build check needs the toolkit")
-@pytest.mark.parametrize("src", ["mla_tree_verify.cu", "mla_tree_verify_portable.cu", "mla_tree_verify_sched.cu",
-                                 "mla_decode_verify.cu"])
+@pytest.mark.parametrize("src", CU_SOURCES)
 def test_cu_builds_for_80_90_120(src: str, tmp_path: Path) -> None:
-    obj = tmp_path / (src + ".o")
+    obj = tmp_path / (Path(src).name + ".o")
     gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in ARCHS]
-    cmd = [NVCC, "-std=c++17", "-O3", "-c", str(CSRC / src), "-o", str(obj), f"--threads={len(ARCHS)}",
+    cmd = [NVCC, "-std=c++17", "-O3", f"-I{CSRC}", "-c", str(CSRC / src), "-o", str(obj), f"--threads={len(ARCHS)}",
            "-Xptxas=-warn-spills", *gencode]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
@@ -68,11 +73,20 @@ def test_cu_builds_for_80_90_120(src: str, tmp_path: Path) -> None:
     assert listing.returncode == 0, listing.stderr
     for a in ARCHS:
         assert f"sm_{a}" in listing.stdout, f"no sm_{a} cubin in {src}:\n{listing.stdout}"
-    if src != "mla_tree_verify_sched.cu":  # the tensor-core path really is in the sm_120 SASS
-        sass = subprocess.run([dump, "--dump-sass", "--gpu-architecture", "sm_120", str(obj)], capture_output=True,
-                              text=True, timeout=300)
-        assert sass.returncode == 0, sass.stderr
+    sass = subprocess.run([dump, "--dump-sass", "--gpu-architecture", "sm_120", str(obj)], capture_output=True,
+                          text=True, timeout=300)
+    assert sass.returncode == 0, sass.stderr
+    assert not NOT_ON_SM120.search(sass.stdout), f"sm_120 SASS of {src} uses {NOT_ON_SM120.search(sass.stdout)[0]}"
+    if src.startswith("variants/"):  # the tensor-core path really is in the sm_120 SASS
         assert "HMMA" in sass.stdout and "LDSM" in sass.stdout, "sm_120 SASS lacks HMMA/LDSM"
+
+
+def test_the_build_compiles_these_sources() -> None:
+    pytest.importorskip("torch")
+    from vllm_ddtree.kernels import ops
+
+    assert {s for s in ops.SOURCES if s.endswith(".cu")} == set(CU_SOURCES)
+    assert all((CSRC / s).is_file() for s in ops.SOURCES)
 
 
 @pytest.mark.skipif(NVCC is None or shutil.which("c++") is None, reason="needs nvcc and a host C++ compiler")
@@ -80,7 +94,7 @@ def test_binding_syntax() -> None:
     torch_ext = pytest.importorskip("torch.utils.cpp_extension")
     cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
     incs = [f"-I{p}" for p in torch_ext.include_paths()] + [f"-I{cuda_home}/include"]
-    cmd = ["c++", "-std=c++17", "-fsyntax-only", *incs, str(CSRC / "bindings.cpp")]
+    cmd = ["c++", "-std=c++17", "-fsyntax-only", *incs, f"-I{CSRC}", str(CSRC / "api" / "bindings.cpp")]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
 
@@ -92,47 +106,49 @@ def test_extension_registers_op(monkeypatch: pytest.MonkeyPatch) -> None:
     torch = pytest.importorskip("torch")
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "12.0")
     monkeypatch.setenv("CUDA_HOME", os.environ.get("CUDA_HOME", "/usr/local/cuda"))
-    from vllm_ddtree import ops
+    from vllm_ddtree.kernels import ops
 
     ops.load_extension()
     op = torch.ops.ddtree.mla_tree_verify
     schema = str(op.default._schema)
     assert "Tensor(a!) out" in schema and "Tensor(b!) lse" in schema, schema
+    assert "int kernel, bool decode_deep, int decode_ctas_per_sm, bool pdl" in schema, schema
     T, H, B = 4, 8, 2
     m = dict(device="meta")
     op(torch.empty(T, H, 512, dtype=torch.bfloat16, **m), torch.empty(T, H, 64, dtype=torch.bfloat16, **m),
        torch.empty(3, 64, 576, dtype=torch.bfloat16, **m), torch.empty(B, 3, dtype=torch.int32, **m),
        torch.empty(B, dtype=torch.int32, **m), torch.empty(B + 1, dtype=torch.int32, **m),
        torch.empty(T, dtype=torch.int64, **m), 0.04, 1.0, torch.empty(T, H, 512, dtype=torch.bfloat16, **m),
-       torch.empty(T, H, dtype=torch.float32, **m), 2)
+       torch.empty(T, H, dtype=torch.float32, **m), 2, 2, True, 0, True)
 
 
 def test_unknown_kernel_variant_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    """DDTREE_MLA_VARIANT with a value the kernel does not know fails with the accepted values, before any build
-    (the kernel itself would take it for auto)."""
+    """VLLM_DDTREE_MLA_VARIANT with a value the dispatch does not know fails with the accepted values, before any
+    build."""
     torch = pytest.importorskip("torch")
-    from vllm_ddtree import ops
+    from vllm_ddtree import envs
+    from vllm_ddtree.kernels import ops
 
     T, H, B = 2, 8, 1
     args = (torch.empty(T, H, 512, dtype=torch.bfloat16), torch.empty(T, H, 64, dtype=torch.bfloat16),
             torch.empty(3, 64, 576, dtype=torch.bfloat16), torch.empty(B, 3, dtype=torch.int32),
             torch.empty(B, dtype=torch.int32), torch.empty(B + 1, dtype=torch.int32), torch.empty(T, dtype=torch.int64),
             0.04, 1.0, torch.empty(T, H, 512, dtype=torch.bfloat16), torch.empty(T, H, dtype=torch.float32))
-    monkeypatch.setenv("DDTREE_MLA_VARIANT", "resident")
+    monkeypatch.setenv("VLLM_DDTREE_MLA_VARIANT", "resident")
     with pytest.raises(ValueError, match="auto, portable, decode, decode-shallow"):
         ops.mla_tree_verify(*args)
-    for value in ops.KERNEL_VARIANTS:
-        monkeypatch.setenv("DDTREE_MLA_VARIANT", value)
-        assert ops.check_kernel_variant() == value
-    monkeypatch.delenv("DDTREE_MLA_VARIANT")
-    assert ops.check_kernel_variant() == "auto"
+    for value in envs.MLA_VARIANTS:
+        monkeypatch.setenv("VLLM_DDTREE_MLA_VARIANT", value)
+        assert envs.VLLM_DDTREE_MLA_VARIANT == value
+    monkeypatch.delenv("VLLM_DDTREE_MLA_VARIANT")
+    assert envs.VLLM_DDTREE_MLA_VARIANT == "auto"
 
 
 def test_non_positive_scales_are_refused() -> None:
     """The kernels take each row's max over unscaled scores, which needs positive scales: others fail with that
     reason, before any build."""
     torch = pytest.importorskip("torch")
-    from vllm_ddtree import ops
+    from vllm_ddtree.kernels import ops
 
     T, H, B = 2, 8, 1
     tensors = (torch.empty(T, H, 512, dtype=torch.bfloat16), torch.empty(T, H, 64, dtype=torch.bfloat16),
@@ -149,10 +165,10 @@ def test_csrc_override_is_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     """VLLM_DDTREE_CSRC (A/B of kernel sources) may be relative; the build gets it absolute (its ninja file names
     the sources from the build directory), and a directory without the sources fails with the fix."""
     pytest.importorskip("torch")
-    from vllm_ddtree import ops
+    from vllm_ddtree.kernels import ops
 
-    (tmp_path / "other" / "csrc").mkdir(parents=True)
-    (tmp_path / "other" / "csrc" / "bindings.cpp").write_text("// stand-in\n")
+    (tmp_path / "other" / "csrc" / "api").mkdir(parents=True)
+    (tmp_path / "other" / "csrc" / "api" / "bindings.cpp").write_text("// stand-in\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("VLLM_DDTREE_CSRC", "other/csrc")
     assert ops.csrc_dir() == (tmp_path / "other" / "csrc").resolve()

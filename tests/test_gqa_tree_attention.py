@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_ddtree.gqa_tree_attention import gqa_tree_attention, gqa_tree_attention_ref
+from vllm_ddtree.kernels import gqa_tree_attention, gqa_tree_attention_ref
 
 REPO = Path(__file__).resolve().parent.parent
 # Block ids of q_len-0 padding requests and of unused block-table slots: reading one faults or trips a check.

@@ -1,9 +1,9 @@
 """CI (CPU): C++ harnesses under tests/csrc/ that run the kernels' own host-and-device expressions on the CPU
 (built by a plain C++ compiler against the csrc/ headers):
-- decode_frag_check: the decode kernel's shared-memory layout and fragment addressing (csrc/mla_decode_layout.cuh),
+- decode_frag_check: the decode kernel's shared-memory layout and fragment addressing (csrc/variants/decode_layout.cuh),
   with emulated ldmatrix / mma.m16n8k16 at the kernel's lane addresses (QK and PV against direct products, bf16 and
   widened fp8 slices), bank-conflict freedom, and the coverage of its load and output maps;
-- sched_plan_check: the decode kernel's split-KV line plan (csrc/mla_sched_plan.cuh): the global line planner it
+- sched_plan_check: the decode kernel's split-KV line plan (csrc/scheduling/sched_plan.cuh): the global line planner it
   replaced, checked against every invariant the kernel and the combine rely on, and the per-part derivation each CTA
   now runs (emulating its threads), which must give exactly the same pieces, slots and per-request split counts."""
 
@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+CSRC = ROOT / "vllm_ddtree" / "kernels" / "csrc"
 
 needs_cxx = pytest.mark.skipif(shutil.which("c++") is None, reason="needs a host C++ compiler")
 
@@ -24,7 +25,7 @@ def run_harness(name: str, tmp_path: Path) -> str:
     """Builds tests/csrc/NAME.cpp (warnings are errors), runs it, asserts it exits 0 and returns its stdout."""
     exe = tmp_path / name
     src = ROOT / "tests" / "csrc" / f"{name}.cpp"
-    build = subprocess.run(["c++", "-std=c++17", "-O2", "-Wall", "-Werror", f"-I{ROOT / 'csrc'}", str(src), "-o",
+    build = subprocess.run(["c++", "-std=c++17", "-O2", "-Wall", "-Werror", f"-I{CSRC}", str(src), "-o",
                             str(exe)], capture_output=True, text=True, timeout=300)
     assert build.returncode == 0, build.stderr[-4000:]
     res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)

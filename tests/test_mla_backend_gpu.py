@@ -83,7 +83,7 @@ def custom_reference(mla_pair) -> Callable[[str, str], tuple[list[list[int]], li
     def reference(kv_cache_dtype: str, context: str) -> tuple[list[list[int]], list[list[float]]]:
         if (kv_cache_dtype, context) not in cache:
             with pytest.MonkeyPatch.context() as patch:
-                patch.setenv("DDTREE_MLA_CONTEXT", context)
+                patch.setenv("VLLM_DDTREE_MLA_CONTEXT", context)
                 cache[kv_cache_dtype, context] = _greedy(mla_pair[0], attention_backend="CUSTOM",
                                                          kv_cache_dtype=kv_cache_dtype)
         return cache[kv_cache_dtype, context]
@@ -108,14 +108,14 @@ def test_custom_backend_alone_matches_flashmla_up_to_near_ties(mla_pair, custom_
 def test_ddtree_mla_matches_target_and_replays_full_graphs(mla_pair, custom_reference, budget, kv_cache_dtype,
                                                            context, monkeypatch) -> None:
     """Verify attention on the H200: FlashMLA context + tree tail (bf16 default), or our kernel for everything
-    (``DDTREE_MLA_CONTEXT=ddtree``, the path GPUs without FlashMLA take; fp8 caches always)."""
+    (``VLLM_DDTREE_MLA_CONTEXT=ddtree``, the path GPUs without FlashMLA take; fp8 caches always)."""
     from vllm import LLM
 
     from vllm_ddtree.backends.mla import DDTreeMLABackend
     from vllm_ddtree.v2.speculator import DDTreeSpeculator
 
     want, margins = custom_reference(kv_cache_dtype, context)  # before this test's engine: one engine at a time
-    monkeypatch.setenv("DDTREE_MLA_CONTEXT", context)
+    monkeypatch.setenv("VLLM_DDTREE_MLA_CONTEXT", context)
     spec = {"method": "ddtree", "model": str(mla_pair[1]), "num_speculative_tokens": budget}
     llm = LLM(model=str(mla_pair[0]), speculative_config=spec, kv_cache_dtype=kv_cache_dtype, **ENGINE)
     model_runner = runner(llm)

@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from vllm_ddtree.mla_reference import mla_tree_verify_ref
-from vllm_ddtree.ops import KERNEL_VARIANTS
+from vllm_ddtree.envs import MLA_VARIANTS
+from vllm_ddtree.kernels import mla_tree_verify_ref
 
 SCALE = 1.0 / math.sqrt(576)
 BIG_PAGE = 2**30  # block-table filler: reading it would fault, so untouched entries prove they were never read
@@ -93,7 +93,7 @@ def make_case(
 
 
 def run_kernel(case: dict, kv_scale: float = 1.0, out_dtype: torch.dtype = torch.bfloat16, max_q: int | None = None):
-    from vllm_ddtree.ops import mla_tree_verify
+    from vllm_ddtree.kernels import mla_tree_verify
 
     T, H, _ = case["q_nope"].shape
     out = torch.full((T, H, 512), float("nan"), dtype=out_dtype, device="cuda")
@@ -122,19 +122,19 @@ def check_close(out: torch.Tensor, lse: torch.Tensor, ref_out: torch.Tensor, ref
 TREES = ["chain", "star", "random", "chain"]
 
 
-@pytest.fixture(params=KERNEL_VARIANTS, autouse=True)
+@pytest.fixture(params=MLA_VARIANTS, autouse=True)
 def kernel_variant(request: pytest.FixtureRequest):
-    """Every GPU test runs once per DDTREE_MLA_VARIANT: auto (the launch's choice: the decode kernel at few rows a
+    """Every GPU test runs once per VLLM_DDTREE_MLA_VARIANT: auto (the launch's choice: the decode kernel at few rows a
     request, else resident-V on sm_90, portable elsewhere), portable (the <= 99 KB configuration sm_80 / sm_120
     build), decode (the 16-row decode kernel, forced at every size, which exercises its masking and split paths on
     every shape) and decode-shallow (the same with the 2-stage ring sm_120 gets), so the H200 checks all of them."""
-    old = os.environ.get("DDTREE_MLA_VARIANT")
-    os.environ["DDTREE_MLA_VARIANT"] = request.param
+    old = os.environ.get("VLLM_DDTREE_MLA_VARIANT")
+    os.environ["VLLM_DDTREE_MLA_VARIANT"] = request.param
     yield request.param
     if old is None:
-        os.environ.pop("DDTREE_MLA_VARIANT", None)
+        os.environ.pop("VLLM_DDTREE_MLA_VARIANT", None)
     else:
-        os.environ["DDTREE_MLA_VARIANT"] = old
+        os.environ["VLLM_DDTREE_MLA_VARIANT"] = old
 
 
 @pytest.mark.gpu
@@ -215,7 +215,7 @@ def test_deterministic(H: int, N: int) -> None:
 @pytest.mark.parametrize("H,N", [(64, 16), (8, 1), (16, 1), (8, 2)])
 def test_cuda_graph_replay(H: int, N: int) -> None:
     """Capture once, then replay with new seq_lens, trees, block tables and queries copied into the same buffers."""
-    from vllm_ddtree.ops import mla_tree_verify
+    from vllm_ddtree.kernels import mla_tree_verify
 
     page, B = 64, 4
     Lmax = 8192
@@ -324,11 +324,11 @@ def test_decode_varlen_and_fp16() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("ctas", ["1", "7"])
 def test_decode_parts_sizing(ctas: str, kernel_variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """DDTREE_MLA_DECODE_CTAS_PER_SM changes the number of split parts (1: one part per SM; 7: tiny pieces of a
+    """VLLM_DDTREE_MLA_DECODE_CTAS_PER_SM changes the number of split parts (1: one part per SM; 7: tiny pieces of a
     few 16-key tiles): the result must not depend on it."""
     if not kernel_variant.startswith("decode"):
         pytest.skip("decode variants only")
-    monkeypatch.setenv("DDTREE_MLA_DECODE_CTAS_PER_SM", ctas)
+    monkeypatch.setenv("VLLM_DDTREE_MLA_DECODE_CTAS_PER_SM", ctas)
     n_list = [1, 2, 0, 1, 2]
     L_list = [32768, 4096 + 17, 11, 65, 2]
     case = make_case(n_list, L_list, 8, 64, ["random"], seed=23)

@@ -68,8 +68,7 @@ def check_case(case: dict, with_prefix: bool, v_split: int | None = None) -> Non
     """Tail alone, or ``split_verify`` with the context reference as its context pass (on a second stream on CUDA),
     vs the whole-verify fp32 reference, on the rows that exist; ``v_split`` output parts per row tile (None: the
     launcher's choice; the tail alone only)."""
-    from vllm_ddtree.mla_reference import mla_tree_verify_ref
-    from vllm_ddtree.mla_tree_tail import mla_context_reference, mla_tree_tail, split_verify
+    from vllm_ddtree.kernels import mla_context_reference, mla_tree_tail, mla_tree_verify_ref, split_verify
 
     args = {k: case[k] for k in ("q_nope", "q_pe", "kv_cache", "block_table", "seq_lens", "query_start_loc")}
     seq_lens, qsl = case["seq_lens"].cpu(), case["query_start_loc"].cpu()
@@ -121,7 +120,7 @@ def fake_flashmla(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Ten
                   causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashMLA's dense decode contract in fp32 (out ``[B, s_q, H, 512]`` in q's dtype, lse ``[B, H, s_q]``, +inf for
     an empty context), for checking the backend's glue on the CPU."""
-    from vllm_ddtree.mla_tree_tail import mla_context_reference
+    from vllm_ddtree.kernels import mla_context_reference
 
     assert not causal and head_dim_v == 512 and k_cache.dim() == 4
     num_reqs, width, heads, _ = q.shape
@@ -138,7 +137,7 @@ def check_backend_split(case: dict) -> None:
     from vllm.v1.attention.ops import flashmla
 
     from vllm_ddtree.backends.mla import DDTreeMLADecodeMetadata, DDTreeMLAImpl, padded_query_rows, uniform_query_rows
-    from vllm_ddtree.mla_reference import mla_tree_verify_ref
+    from vllm_ddtree.kernels import mla_tree_verify_ref
 
     flashmla.flash_mla_with_kvcache = fake_flashmla
     qsl, seq_lens, width = case["query_start_loc"], case["seq_lens"], case["max_query_len"]
@@ -164,7 +163,7 @@ def check_pack(seed: int, tokens: int, heads: int, device: str = "cpu", gather: 
     """``pack_context_query`` on the query as vLLM hands it over (``q_nope`` a head-major GEMM output seen
     transposed, ``q_pe`` a slice of a wider per-head row whose other columns are NaN), optionally gathering rows
     (repeats, as FlashMLA's padding does): bit-equal to ``torch.cat``."""
-    from vllm_ddtree.mla_tree_tail import pack_context_query
+    from vllm_ddtree.kernels import pack_context_query
 
     gen = torch.Generator().manual_seed(seed)
     q_nope = torch.randn(heads, tokens, 512, generator=gen).to(torch.bfloat16).to(device).transpose(0, 1)
@@ -180,13 +179,13 @@ def check_pack(seed: int, tokens: int, heads: int, device: str = "cpu", gather: 
 
 
 def test_output_parts_fill_small_grids_only() -> None:
-    from vllm_ddtree.mla_tree_tail import output_parts
+    from vllm_ddtree.kernels.mla_tree_tail import output_parts
 
     assert [output_parts(n) for n in (1, 9, 16, 17, 64, 65, 128, 272, 4096)] == [8, 8, 4, 4, 4, 1, 1, 1, 1]
 
 
 def test_tree_keys_round_the_longest_query_up() -> None:
-    from vllm_ddtree.mla_tree_tail import tree_keys
+    from vllm_ddtree.kernels.mla_tree_tail import tree_keys
 
     assert [tree_keys(n) for n in (1, 2, 9, 16, 17, 32, 33, 64)] == [16, 16, 16, 16, 32, 32, 64, 64]
 
@@ -284,8 +283,7 @@ def test_cuda_flashmla_context_plus_tail_matches_reference(heads: int) -> None:
     against the fp32 reference of the whole verify."""
     from vllm.v1.attention.ops.flashmla import is_flashmla_dense_supported
 
-    from vllm_ddtree.mla_reference import mla_tree_verify_ref
-    from vllm_ddtree.mla_tree_tail import split_verify
+    from vllm_ddtree.kernels import mla_tree_verify_ref, split_verify
 
     if not is_flashmla_dense_supported()[0]:
         pytest.skip("FlashMLA dense needs Hopper")

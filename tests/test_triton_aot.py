@@ -84,7 +84,7 @@ def test_draft_topk_kernels_compile(arch: int, k: int, logits: str) -> None:
 @pytest.mark.parametrize("v_split", [1, 4, 8])
 @pytest.mark.parametrize("keys", [16, 64])
 def test_mla_tree_tail_kernel_compiles(arch: int, heads: int, v_split: int, keys: int) -> None:
-    from vllm_ddtree.mla_tree_tail import BLOCK_M, CHUNK, NUM_WARPS, _mla_tree_tail_kernel
+    from vllm_ddtree.kernels.mla_tree_tail import BLOCK_M, CHUNK, NUM_WARPS, _mla_tree_tail_kernel
 
     pointers = {"q_nope_ptr": "*bf16", "q_pe_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "*i32", "seq_lens_ptr": "*i32",
                 "qsl_ptr": "*i32", "bits_ptr": "*i64", "out_ptr": "*bf16", "lse_ptr": "*fp32", "qk_scale": "fp32"}
@@ -99,7 +99,7 @@ def test_mla_tree_tail_kernel_compiles(arch: int, heads: int, v_split: int, keys
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("heads", [8, 64, 128])
 def test_mla_context_merge_kernel_compiles(arch: int, heads: int) -> None:
-    from vllm_ddtree.mla_tree_tail import MERGE_ROWS, MERGE_WARPS, _merge_context_kernel
+    from vllm_ddtree.kernels.mla_tree_tail import MERGE_ROWS, MERGE_WARPS, _merge_context_kernel
 
     pointers = {"context_out_ptr": "*bf16", "context_lse_ptr": "*fp32", "tree_out_ptr": "*bf16",
                 "tree_lse_ptr": "*fp32", "qsl_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32"}
@@ -127,7 +127,7 @@ def test_gqa_tree_attention_kernel_compiles(arch: int, width: int, has_prefix: b
     that GPU for tree widths 16 and 64: tail-only after FlashAttention's context, and whole-context. None spills."""
     import torch
 
-    from vllm_ddtree.gqa_tree_attention import _gqa_tree_attn_kernel, tile_config
+    from vllm_ddtree.kernels.gqa_tree_attention import _gqa_tree_attn_kernel, tile_config
 
     block_m, block_n, num_warps, _ = tile_config(128, torch.bfloat16, 4, width, has_prefix, hopper=arch == 90)
     pointers = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "*i32", "seq_lens_ptr": "*i32", "qsl_ptr": "*i32",
@@ -146,7 +146,7 @@ def test_gqa_tree_attention_kernel_compiles(arch: int, width: int, has_prefix: b
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("gather", [False, True])
 def test_pack_context_query_kernel_compiles(arch: int, gather: bool) -> None:
-    from vllm_ddtree.mla_tree_tail import PACK_HEADS, PACK_WARPS, _pack_query_kernel
+    from vllm_ddtree.kernels.mla_tree_tail import PACK_HEADS, PACK_WARPS, _pack_query_kernel
 
     signature = {"q_nope_ptr": "*bf16", "q_pe_ptr": "*bf16", "rows_ptr": "*i64", "out_ptr": "*bf16", "s_qn_t": "i32",
                  "s_qn_h": "i32", "s_qp_t": "i32", "s_qp_h": "i32", "s_o_t": "i32", "s_o_h": "i32",

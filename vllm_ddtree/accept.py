@@ -8,7 +8,7 @@ emitted token is therefore the target's own choice under its exact context, whic
 
 The walk is written without loops or host synchronisation so that it can run inside a CUDA graph: node ``j`` is
 on the path iff every non-root ancestor-or-self ``k`` of ``j`` matched (``node_tokens[k-1] ==
-target_tokens[parent[k]]``).  Matches are packed into bit words and compared with the ancestor bitmask.
+target_tokens[parent[k]]``).  Matches are packed into one bit word and compared with the ancestor bitmask.
 
 All functions take the tree fields of ``vllm_ddtree.tree.DraftTrees`` as separate tensors, so callers can pass
 persistent buffers directly (``walk_trees(t.node_tokens, t.parents, t.anc_bits, t.num_nodes, ...)``):
@@ -16,14 +16,13 @@ persistent buffers directly (``walk_trees(t.node_tokens, t.parents, t.anc_bits, 
 - ``node_tokens`` ``[B, budget]`` int64: draft token of node ``i+1`` (node 0 is the root);
 - ``parents`` ``[B, W]`` int64, ``W = budget+1``: parent index, topological (``parent < child``), -1 for the root
   and for padding;
-- ``anc_bits`` int64: bit ``j`` of node ``i``'s mask is set iff ``j`` is an ancestor-or-self of ``i``; ``[B, W]``
-  for ``W <= 64``, else ``[B, W, ceil(W/64)]`` with node ``j`` in word ``j // 64``, bit ``j % 64``;
+- ``anc_bits`` ``[B, W]`` int64, ``W <= 64``: bit ``j`` of node ``i``'s word is set iff ``j`` is an ancestor-or-self
+  of ``i`` (a tree is at most 64 tokens: the config caps the budget at 63);
 - ``num_nodes`` ``[B]`` int64: real nodes are ``1..num_nodes``; nodes after them are padding and never accepted.
 
 Siblings must carry distinct tokens (so at most one child can match), as the tree builder guarantees.
 """
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +30,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-_WORD_BITS = 64
+from vllm_ddtree import envs
+from vllm_ddtree.constants import MAX_TREE_BUDGET, MAX_TREE_WIDTH
 
 
 @dataclass(frozen=True)
@@ -43,18 +43,24 @@ class AcceptedPaths:
     output_tokens: Tensor  # [B, budget+1] int64: path tokens, then the bonus token, then -1
 
 
-def _pack_bits(flags: Tensor, num_words: int) -> Tensor:
-    """Pack bool flags ``[B, W]`` into int64 words ``[B, num_words]``, node ``j`` at word ``j // 64``, bit ``j % 64``.
+def _check_masks(anc_bits: Tensor) -> None:
+    """Refuse ancestor masks that are not one int64 word per node: wider trees cannot be verified (the config caps
+    the budget so that they never occur)."""
+    if anc_bits.dim() != 2 or anc_bits.shape[1] > MAX_TREE_WIDTH:
+        raise ValueError(f"ancestor masks must be [B, W] int64 with W <= {MAX_TREE_WIDTH} (one word per node, root "
+                         f"included: budget <= {MAX_TREE_BUDGET}), got shape {tuple(anc_bits.shape)}")
+
+
+def _pack_bits(flags: Tensor) -> Tensor:
+    """Pack bool flags ``[B, W]`` (W <= 64) into one int64 word ``[B]``, node ``j`` at bit ``j``.
 
     The bits are disjoint, so an integer sum is their OR (bit 63 wraps to the sign bit, as in the ancestor masks).
     """
-    batch, width = flags.shape
-    padded = torch.zeros(batch, num_words * _WORD_BITS, dtype=torch.int64, device=flags.device)
-    padded[:, :width] = flags.to(torch.int64)
-    weights = torch.ones(_WORD_BITS, dtype=torch.int64, device=flags.device) << torch.arange(
-        _WORD_BITS, dtype=torch.int64, device=flags.device
+    width = flags.shape[1]
+    weights = torch.ones(width, dtype=torch.int64, device=flags.device) << torch.arange(
+        width, dtype=torch.int64, device=flags.device
     )
-    return (padded.view(batch, num_words, _WORD_BITS) * weights).sum(-1)
+    return (flags.to(torch.int64) * weights).sum(-1)
 
 
 def walk_trees_torch(
@@ -71,6 +77,7 @@ def walk_trees_torch(
     ``accepted_nodes`` (static shapes for CUDA graphs); paths are cut at that depth, so pass the trees' maximum
     depth.  Pure tensor ops with static shapes: no host synchronisation, the same code on CPU and CUDA.
     """
+    _check_masks(anc_bits)
     batch, budget = node_tokens.shape
     width = budget + 1
     device = node_tokens.device
@@ -85,9 +92,7 @@ def walk_trees_torch(
 
     # on_path[j]: every ancestor-or-self of j matched, i.e. j's mask has no bit outside the matched set.  The mask
     # holds j's own bit, so unmatched and padding nodes drop out.
-    wide = anc_bits if anc_bits.dim() == 3 else anc_bits.unsqueeze(-1)
-    matched_bits = _pack_bits(matched, wide.shape[-1])
-    on_path = ((wide & ~matched_bits.unsqueeze(1)) == 0).all(-1)
+    on_path = (anc_bits & ~_pack_bits(matched).unsqueeze(1)) == 0
 
     # The path is a chain in index order (topological), so a running count gives each path node's depth.
     path_depth = on_path.cumsum(1) - 1
@@ -198,9 +203,10 @@ def walk_verify_batch(
     not real. Returns the paths and ``num_sampled`` ``[B]`` int32 (accepted + bonus). Triton on CUDA (and under the
     Triton interpreter), else ``walk_verify_batch_torch``; static shapes, no sync.
     """
+    _check_masks(anc_bits)
     batch, width = tree_rows.shape[0], parents.shape[1]
     device = picks.device
-    if not (picks.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") or anc_bits.dim() != 2:
+    if not (picks.is_cuda or envs.TRITON_INTERPRET):
         paths = walk_verify_batch_torch(picks, inputs, cu_num_logits, tree_rows, parents, anc_bits, num_nodes,
                                         max_depth)  # fmt: skip
         return paths, (paths.num_accepted + 1).to(torch.int32)
@@ -220,10 +226,8 @@ def walk_verify_batch(
 def walk_trees_triton(
     node_tokens: Tensor, parents: Tensor, anc_bits: Tensor, num_nodes: Tensor, target_tokens: Tensor, max_depth: int
 ) -> AcceptedPaths:
-    """``walk_trees`` through the batch kernel (CUDA, one-word masks): one launch instead of ~30 small kernels."""
+    """``walk_trees`` through the batch kernel (CUDA): one launch instead of ~30 small kernels."""
     batch, budget = node_tokens.shape
-    if anc_bits.dim() != 2:
-        raise ValueError(f"the Triton walk handles one-word ancestor masks (W <= 64), got {tuple(anc_bits.shape)}")
     width = budget + 1
     device = node_tokens.device
     inputs = torch.cat([torch.zeros(batch, 1, dtype=torch.int64, device=device), node_tokens.to(torch.int64)], 1)
@@ -237,8 +241,8 @@ def walk_trees_triton(
 def walk_trees(
     node_tokens: Tensor, parents: Tensor, anc_bits: Tensor, num_nodes: Tensor, target_tokens: Tensor, max_depth: int
 ) -> AcceptedPaths:
-    """The tree walk: the fused Triton kernel on CUDA for one-word masks, else the pure-torch path (same result)."""
-    if node_tokens.is_cuda and anc_bits.dim() == 2:
+    """The tree walk: the fused Triton kernel on CUDA, else the pure-torch path (same result)."""
+    if node_tokens.is_cuda:
         return walk_trees_triton(node_tokens, parents, anc_bits, num_nodes, target_tokens, max_depth)
     return walk_trees_torch(node_tokens, parents, anc_bits, num_nodes, target_tokens, max_depth)
 

@@ -17,13 +17,14 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_ddtree.constants import MAX_TREE_BUDGET, MAX_TREE_WIDTH
+
 METHOD = "ddtree"
 
 # vLLM's rejection sampler asserts max_spec_len <= MAX_SPEC_LEN (vllm/v1/sample/rejection_sampler.py).
 VLLM_MAX_SPEC_LEN = 128
-# One int64 ancestor bitmask per node covers the root plus 63 nodes; the verify kernels read exactly that word.
-ANCESTOR_MASK_BITS = 64
-MAX_BUDGET = min(VLLM_MAX_SPEC_LEN, ANCESTOR_MASK_BITS - 1)
+# One int64 ancestor word per node covers the root plus 63 nodes; the verify kernels read exactly that word.
+MAX_BUDGET = min(VLLM_MAX_SPEC_LEN, MAX_TREE_BUDGET)
 
 # DDTree's own keys, with what each one means (used in error messages and the README).
 DDTREE_KEYS: dict[str, str] = {
@@ -117,7 +118,7 @@ def split_speculative_config(raw: Mapping[str, Any], vllm_keys: Iterable[str]) -
         1,
         MAX_BUDGET,
         f"the node budget: vLLM verifies at most {VLLM_MAX_SPEC_LEN} draft tokens and the ancestor bitmask "
-        f"holds {ANCESTOR_MASK_BITS} nodes including the root",
+        f"holds {MAX_TREE_WIDTH} nodes including the root",
     )
     topk = spec.pop("topk", None)
     if topk is not None:

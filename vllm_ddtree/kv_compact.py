@@ -18,13 +18,14 @@ last dim is assumed to be stride-1; everything else is addressed through strides
 verbatim whatever the dtype (fp8 caches are uint8 bytes).
 """
 
-import os
 from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from vllm_ddtree import envs
 
 # Element type used to move payload bits, by element size in bytes (integer loads and stores keep NaN payloads).
 _BITS_DTYPE = {1: tl.uint8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
@@ -213,7 +214,7 @@ class KVCompactor:
         self._offset_dim = offset_dim
         self._max_num_reqs = max_num_reqs
         self._max_path_len = max_path_len
-        self._use_triton = first.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+        self._use_triton = first.is_cuda or envs.TRITON_INTERPRET
         # The caches are persistent, so their base addresses can live in a device table built once.
         self._layer_ptrs = torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64, device=first.device)
         # Addresses are computed in words of `word` bytes: fewer, wider loads and stores per KV row.

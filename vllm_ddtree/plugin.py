@@ -30,7 +30,9 @@ def is_supported_version(version: str) -> bool:
 
 
 def register() -> None:
-    """Entry point of ``vllm.general_plugins``: refuse other vLLM versions with one error, else apply the patches."""
+    """Entry point of ``vllm.general_plugins``: refuse other vLLM versions with one error, and a misconfigured
+    environment (``envs.check_environ``: former knob names, values outside a knob's choices), else apply the
+    patches."""
     if _state["registered"] or _state["refused"]:
         return
     version = installed_vllm_version()
@@ -47,7 +49,10 @@ def register() -> None:
         return
     from vllm.platforms import current_platform
 
+    from vllm_ddtree import envs
     from vllm_ddtree.patches import config as config_patches
+
+    envs.check_environ()
 
     config_patches.apply()
     if current_platform.is_cpu():

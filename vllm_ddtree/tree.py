@@ -9,7 +9,7 @@ Three implementations that produce bit-identical ``DraftTrees``:
 
 * ``build_trees_reference``: the lazy best-first heap of the DDTree paper, in plain Python. It is the spec.
 * ``build_trees_torch``: the same search, vectorised over the batch with static shapes (CPU and CUDA).
-* ``build_trees_triton``: one Triton program per request, the search held in registers (CUDA, W <= 64).
+* ``build_trees_triton``: one Triton program per request, the search held in registers (CUDA).
 
 The torch and Triton paths never read tensor values on the host, so they can be captured in a CUDA graph.
 
@@ -28,8 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-# Bits per word of the ancestor bitmask.
-_WORD = 64
+from vllm_ddtree.constants import MAX_TREE_BUDGET
+
 # Largest depth D and top-k K the Triton kernel's packed (depth, rank, parent) int32 can hold.
 _MAX_PACKED = 255
 
@@ -41,8 +41,8 @@ class DraftTrees:
     node_tokens: [B, budget] int64, token of node i+1; 0 for padding nodes.
     parents:     [B, W] int64, W = budget+1; parents[:, 0] = -1; -1 for padding nodes.
     depth:       [B, W] int64; depth[:, 0] = 0; 0 for padding nodes.
-    anc_bits:    int64; bit j of anc_bits[b, i] is set iff node j is an ancestor-or-self of node i. Shape [B, W]
-                 while W <= 64, else [B, W, ceil(W/64)] (word w holds nodes 64w..64w+63). Padding nodes: own bit.
+    anc_bits:    [B, W] int64, one word per node (W <= 64): bit j of anc_bits[b, i] is set iff node j is an
+                 ancestor-or-self of node i (bit 63 is the sign bit). Padding nodes: own bit.
     num_nodes:   [B] int64, number of real non-root nodes (<= budget).
     """
 
@@ -60,24 +60,14 @@ def _check_inputs(topk_logprobs: torch.Tensor, topk_ids: torch.Tensor, budget: i
         raise ValueError(f"expected float32 log-probs and int64 ids, got {topk_logprobs.dtype} and {topk_ids.dtype}")
     if topk_logprobs.shape[1] < 1 or topk_logprobs.shape[2] < 1 or budget < 1:
         raise ValueError(f"need D >= 1, K >= 1 and budget >= 1, got {tuple(topk_logprobs.shape)}, budget={budget}")
-
-
-def _num_words(width: int) -> int:
-    return (width + _WORD - 1) // _WORD
+    if budget > MAX_TREE_BUDGET:
+        raise ValueError(f"a draft tree holds at most {MAX_TREE_BUDGET} nodes (one int64 ancestor word per node, "
+                         f"root included), got budget={budget}")
 
 
 def _own_bits(width: int, device: torch.device) -> torch.Tensor:
-    """[W, words] int64: node i's own bit (word i // 64, bit i % 64; bit 63 is the sign bit)."""
-    nodes = torch.arange(width, device=device)
-    words = torch.arange(_num_words(width), device=device)
-    one = torch.ones((), dtype=torch.int64, device=device)
-    bit = one << (nodes % _WORD)
-    return torch.where(words[None, :] == (nodes // _WORD)[:, None], bit[:, None], torch.zeros_like(bit)[:, None])
-
-
-def _finish_anc(anc: torch.Tensor) -> torch.Tensor:
-    """Collapse the word axis when one word holds the whole tree (the narrow form of the contract)."""
-    return anc[..., 0].contiguous() if anc.shape[-1] == 1 else anc
+    """[W] int64: node i's own bit (bit 63 is the sign bit)."""
+    return torch.ones((), dtype=torch.int64, device=device) << torch.arange(width, device=device)
 
 
 def build_trees_reference(topk_logprobs: torch.Tensor, topk_ids: torch.Tensor, budget: int) -> DraftTrees:
@@ -87,13 +77,12 @@ def build_trees_reference(topk_logprobs: torch.Tensor, topk_ids: torch.Tensor, b
     ids = topk_ids.detach().cpu().numpy()
     batch, max_depth, k = lp.shape
     width = budget + 1
-    words = _num_words(width)
     node_tokens = np.zeros((batch, budget), dtype=np.int64)
     parents = np.full((batch, width), -1, dtype=np.int64)
     depth = np.zeros((batch, width), dtype=np.int64)
-    anc = np.zeros((batch, width, words), dtype=np.uint64)
+    anc = np.zeros((batch, width), dtype=np.uint64)
     for i in range(width):
-        anc[:, i, i // _WORD] = np.uint64(1) << np.uint64(i % _WORD)
+        anc[:, i] = np.uint64(1) << np.uint64(i)
     num_nodes = np.zeros(batch, dtype=np.int64)
     zero = np.float32(0.0)
     for b in range(batch):
@@ -120,7 +109,7 @@ def build_trees_reference(topk_logprobs: torch.Tensor, topk_ids: torch.Tensor, b
         node_tokens=torch.from_numpy(node_tokens),
         parents=torch.from_numpy(parents),
         depth=torch.from_numpy(depth),
-        anc_bits=_finish_anc(torch.from_numpy(anc.view(np.int64))),
+        anc_bits=torch.from_numpy(anc.view(np.int64)),
         num_nodes=torch.from_numpy(num_nodes),
     )
 
@@ -157,7 +146,7 @@ def build_trees_torch(topk_logprobs: torch.Tensor, topk_ids: torch.Tensor, budge
     parents = torch.full((batch, width), -1, dtype=torch.int64, device=dev)
     depth = torch.zeros(batch, width, dtype=torch.int64, device=dev)
     own = _own_bits(width, dev)
-    anc = own.expand(batch, -1, -1).clone()
+    anc = own.expand(batch, -1).clone()
     num_nodes = torch.zeros(batch, dtype=torch.int64, device=dev)
 
     for t in range(budget):
@@ -176,7 +165,7 @@ def build_trees_torch(topk_logprobs: torch.Tensor, topk_ids: torch.Tensor, budge
         node_tokens[:, t] = torch.where(has, tok, 0)
         parents[:, node] = torch.where(has, par, -1)
         depth[:, node] = torch.where(has, d, 0)
-        anc[:, node] = torch.where(has[:, None], anc[rows, par] | own[node], own[node])
+        anc[:, node] = torch.where(has, anc[rows, par] | own[node], own[node])
         num_nodes += has
 
         # Every entry after the popped one in lex order moves up one to make room for the next sibling.
@@ -192,7 +181,7 @@ def build_trees_torch(topk_logprobs: torch.Tensor, topk_ids: torch.Tensor, budge
         f_flt[:, node] = torch.stack([ps + sib_lp, ps], dim=1)
         f_valid[:, node] = has & (r + 1 < k)
 
-    return DraftTrees(node_tokens, parents, depth, _finish_anc(anc), num_nodes)
+    return DraftTrees(node_tokens, parents, depth, anc, num_nodes)
 
 
 @triton.jit
@@ -280,11 +269,9 @@ def _build_trees_kernel(
 
 
 def build_trees_triton(topk_logprobs: torch.Tensor, topk_ids: torch.Tensor, budget: int) -> DraftTrees:
-    """Triton path: one program per request; needs W = budget+1 <= 64 so the anc bits fit one word."""
+    """Triton path: one program per request, the tree's ancestor words in registers."""
     _check_inputs(topk_logprobs, topk_ids, budget)
     width = budget + 1
-    if width > _WORD:
-        raise ValueError(f"the Triton tree builder handles budget <= {_WORD - 1}, got {budget}")
     if topk_logprobs.shape[1] > _MAX_PACKED or topk_logprobs.shape[2] > _MAX_PACKED:
         raise ValueError(f"the Triton tree builder packs depth and rank in 8 bits each, got {topk_logprobs.shape}")
     batch, max_depth, k = topk_logprobs.shape
@@ -314,8 +301,8 @@ def build_trees_triton(topk_logprobs: torch.Tensor, topk_ids: torch.Tensor, budg
 
 
 def build_trees(topk_logprobs: torch.Tensor, topk_ids: torch.Tensor, budget: int) -> DraftTrees:
-    """Build the draft trees: the Triton kernel on CUDA while the tree fits one anc word, else the torch path."""
+    """Build the draft trees: the Triton kernel on CUDA where its packed state holds D and K, else the torch path."""
     d, k = topk_logprobs.shape[1:]
-    if topk_logprobs.is_cuda and budget + 1 <= _WORD and max(d, k) <= _MAX_PACKED:
+    if topk_logprobs.is_cuda and max(d, k) <= _MAX_PACKED:
         return build_trees_triton(topk_logprobs, topk_ids, budget)
     return build_trees_torch(topk_logprobs, topk_ids, budget)

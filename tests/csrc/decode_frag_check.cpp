@@ -1,4 +1,4 @@
-// Host harness for the decode kernel's layout and fragment addressing (csrc/mla_decode_layout.cuh): fills a warp's
+// Host harness for the decode kernel's layout and fragment addressing (csrc/variants/decode_layout.cuh): fills a warp's
 // slices through the kernel's unit maps (bf16 loads, fp8 loads + widening), runs its QK and PV with emulated
 // ldmatrix (.x4, .x4.trans) and mma.m16n8k16 at the kernel's lane addresses, and compares with direct products;
 // also checks coverage of the unit maps, bank-conflict freedom of every ldmatrix phase, and the output dim map.
@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "frag_emul.h"
-#include "mla_decode_layout.cuh"
+#include "variants/decode_layout.cuh"
 
 using namespace ddtree::dec;
 

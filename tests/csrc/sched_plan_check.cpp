@@ -1,9 +1,9 @@
-// Host harness for the split-KV line plan of the decode kernel (csrc/mla_sched_plan.cuh). Two planners of the same
+// Host harness for the split-KV line plan of the decode kernel (csrc/scheduling/sched_plan.cuh). Two planners of the same
 // plan, on random and edge cases:
 // - the reference: the global line planner that ran as its own kernel (mla_sched_line_kernel) before each CTA of the
 //   decode kernel planned its own part. Its four phases are kept here as it ran them (512 threads' chunks, prefix
 //   sums done sequentially) and its output is checked against every invariant the kernel and the combine rely on;
-// - the per-part derivation the decode kernel runs (part_plan and the piece walk in mla_decode_verify.cu), with the
+// - the per-part derivation the decode kernel runs (part_plan and the piece walk in variants/decode.cu), with the
 //   very same header functions, emulating its 128 threads: their request ranges, the warp scans and warp sums of the
 //   two block scans, the owner's cursor, the walk of every part, CTA (0, 0)'s zeros for requests without tiles.
 // Every part must walk exactly the reference's pieces of that part, in order (request, tile range, slot), and
@@ -15,7 +15,7 @@
 #include <random>
 #include <vector>
 
-#include "mla_sched_plan.cuh"
+#include "scheduling/sched_plan.cuh"
 
 using namespace ddtree::plan;
 

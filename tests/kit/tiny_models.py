@@ -16,6 +16,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+# the real DeepSeek-V3 / Kimi-K2 latent dims, so the MLA tree-verify kernel runs
+from vllm_ddtree.constants import MLA_KV_LORA_RANK, MLA_ROPE_DIM
+
 VOCAB = 1024
 HIDDEN = 128
 TARGET_LAYERS = 4
@@ -116,8 +119,6 @@ def write_target(path: Path, seed: int = 0, hot_tokens: int = 24) -> Path:
 
 
 MLA_HEADS = 8
-MLA_KV_LORA_RANK = 512  # the real DeepSeek-V3 / Kimi-K2 latent dims, so the MLA tree-verify kernel runs
-MLA_ROPE_DIM = 64
 MLA_NOPE_DIM = 128  # (128, 64, 128): DeepSeek-V3 dims, which vLLM's MLA prefill (FlashAttention) accepts
 MLA_V_DIM = 128
 

@@ -6,7 +6,8 @@ applies the per-token ancestor words. On Hopper with a bf16 cache in 64-token pa
 decode is split instead: FlashMLA attends each row's context (every key before the request's tree, no mask) while
 ``mla_tree_tail`` attends the tree keys on a second stream, merged by log-sum-exp (``split_verify``) — except for
 launches of few rows a request (plain decode and tiny trees at few heads), which our decode kernel reads faster.
-``DDTREE_MLA_CONTEXT`` overrides: ``flashmla`` splits every launch, ``ddtree`` keeps our kernel for all.
+``VLLM_DDTREE_MLA_CONTEXT`` overrides: ``flashmla`` splits every launch, ``ddtree`` keeps our kernel for all. Those
+choices, and which of our kernels runs, are the dispatch table's (``kernels/mla_dispatch.py``).
 Rows with up to 64 tokens take the decode path (``QueryLenSupport.VARLEN``, reorder threshold 64): tree rows get
 their tree words from the runner's ``prepare_attn`` hook, every other short row is causal. Without a DDTree runner
 in the process the builder writes causal words itself, so the backend is also a correct plain MLA decode backend.
@@ -16,7 +17,6 @@ All tensors the kernels read are persistent and KV split plans are computed on t
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -31,10 +31,10 @@ from vllm.model_executor.layers.attention.mla_attention import (
 )
 from vllm.v1.attention.backend import AttentionCGSupport, MultipleOf
 
-from vllm_ddtree.tree_mask import MAX_TREE_WIDTH, causal_bits, current_tree_masks
-
-KV_LORA_RANK = 512
-ROPE_DIM = 64
+from vllm_ddtree import envs
+from vllm_ddtree.tree_mask import causal_bits, current_tree_masks
+from vllm_ddtree.constants import MAX_TREE_WIDTH, MLA_HEAD_DIM, MLA_KV_LORA_RANK, MLA_ROPE_DIM
+from vllm_ddtree.kernels.mla_dispatch import FLASHMLA_PAGE, flashmla_context, split_this_launch
 
 
 @dataclass
@@ -54,41 +54,6 @@ class DDTreeMLADecodeMetadata(MLACommonDecodeMetadata):
 @dataclass
 class DDTreeMLAMetadata(MLACommonMetadata[DDTreeMLADecodeMetadata]):
     pass
-
-
-# Launches of at most this many packed rows a request (query width x heads) keep our decode kernel in auto mode: on
-# the H200 (32-key tiles, bench/kernel_mla.py --baselines --shapes memory-bound / all, 2026-12-01) it read 8-16 rows
-# a request in 53.6-57.5 / 86.6-89.4 / 91.0-94.1 us where the FlashMLA split took 86.5-90.0 / 100.5-102.3 /
-# 106.9-109.3 us. At 32 rows a request it wins too (2026-12-01, after the one-pass combine; `--shapes crossover
-# --baselines`): one request of 32k keys 39.4 against 63.2 us, 8 requests of 8k at 8 heads x 4 tokens 45.4 against
-# 54.2 us, one request of 128k at 16 x 2 78.9 against 90.4 us; at 64 rows of 8 requests the split wins (57.2 against
-# 75.7 us).
-OWN_KERNEL_MAX_ROWS = 32
-
-
-def context_choice() -> str:
-    """``DDTREE_MLA_CONTEXT``: auto (the default), flashmla or ddtree."""
-    choice = os.environ.get("DDTREE_MLA_CONTEXT", "auto")
-    if choice not in ("auto", "flashmla", "ddtree"):
-        raise ValueError(f"DDTREE_MLA_CONTEXT must be 'auto', 'flashmla' or 'ddtree', got {choice!r}")
-    return choice
-
-
-def flashmla_context_enabled(vllm_config: Any, block_size: int) -> bool:
-    """Whether decode context keys can go to FlashMLA: Hopper with vLLM's FlashMLA, a bf16 model and cache in
-    64-token pages, unless ``DDTREE_MLA_CONTEXT=ddtree``."""
-    from vllm.v1.attention.ops.flashmla import is_flashmla_dense_supported
-
-    cache_dtype = vllm_config.cache_config.cache_dtype
-    return (context_choice() != "ddtree" and block_size == 64 and vllm_config.model_config.dtype == torch.bfloat16
-            and cache_dtype in ("auto", "bfloat16") and is_flashmla_dense_supported()[0])  # fmt: skip
-
-
-def split_this_launch(choice: str, width: int, num_heads: int) -> bool:
-    """Whether a decode launch where FlashMLA can take the context uses the split: always when forced, else unless
-    its rows a request (``width`` query tokens x ``num_heads``) are few enough for our decode kernel. ``width`` is
-    the uniform query length of a FULL graph's batch, so the choice is fixed per graph."""
-    return choice == "flashmla" or width * num_heads > OWN_KERNEL_MAX_ROWS
 
 
 def padded_query_rows(query_start_loc: torch.Tensor, width: int, num_tokens: int, cols: torch.Tensor) -> torch.Tensor:
@@ -128,8 +93,13 @@ class DDTreeMLAMetadataBuilder(MLACommonMetadataBuilder[DDTreeMLAMetadata]):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device, DDTreeMLAMetadata)
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self._causal_bits = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
-        self._flashmla_context = flashmla_context_enabled(vllm_config, kv_cache_spec.block_size)
-        self._context_choice = context_choice()
+        from vllm.v1.attention.ops.flashmla import is_flashmla_dense_supported
+
+        self._context_choice = envs.VLLM_DDTREE_MLA_CONTEXT
+        self._flashmla_context = flashmla_context(
+            self._context_choice, is_flashmla_dense_supported()[0], kv_cache_spec.block_size,
+            vllm_config.model_config.dtype, vllm_config.cache_config.cache_dtype,
+        )  # fmt: skip
         self._num_heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
         if self._flashmla_context:
             max_reqs = vllm_config.scheduler_config.max_num_seqs
@@ -180,25 +150,25 @@ class DDTreeMLAImpl(MLACommonImpl[DDTreeMLAMetadata]):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if self.kv_lora_rank != KV_LORA_RANK or self.qk_rope_head_dim != ROPE_DIM:
+        if self.kv_lora_rank != MLA_KV_LORA_RANK or self.qk_rope_head_dim != MLA_ROPE_DIM:
             raise ValueError(
-                f"the ddtree MLA kernel is built for kv_lora_rank {KV_LORA_RANK} and qk_rope_head_dim {ROPE_DIM} "
-                f"(DeepSeek-V3 / Kimi-K2), got {self.kv_lora_rank} and {self.qk_rope_head_dim}; use FLASHMLA or "
-                f"TRITON_MLA for this model."
+                f"the ddtree MLA kernel is built for kv_lora_rank {MLA_KV_LORA_RANK} and qk_rope_head_dim "
+                f"{MLA_ROPE_DIM} (DeepSeek-V3 / Kimi-K2), got {self.kv_lora_rank} and {self.qk_rope_head_dim}; use "
+                f"FLASHMLA or TRITON_MLA for this model."
             )
         self.supports_quant_query_input = False  # the kernel takes bf16/fp16 queries, fp8 only in the cache
 
     def forward_mqa(self, q: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kv_c_and_k_pe_cache: torch.Tensor,
                     attn_metadata: DDTreeMLAMetadata, layer: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-        from vllm_ddtree.ops import mla_tree_verify
+        from vllm_ddtree.kernels import mla_tree_verify
 
         decode = attn_metadata.decode
         assert decode is not None
-        q_nope, q_pe = q if isinstance(q, tuple) else q.split([KV_LORA_RANK, ROPE_DIM], dim=-1)
+        q_nope, q_pe = q if isinstance(q, tuple) else q.split([MLA_KV_LORA_RANK, MLA_ROPE_DIM], dim=-1)
         num_tokens, num_heads = q_nope.shape[:2]
         masks = current_tree_masks()
         bits = masks.token_bits if masks is not None and masks.token_bits.numel() else decode.causal_token_bits
-        out = q_nope.new_empty(num_tokens, num_heads, KV_LORA_RANK)
+        out = q_nope.new_empty(num_tokens, num_heads, MLA_KV_LORA_RANK)
         lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q_nope.device)
         if decode.flashmla_sched is not None and q_nope.dtype == kv_c_and_k_pe_cache.dtype == torch.bfloat16:
             self._flashmla_context_and_tail(q_nope, q_pe, kv_c_and_k_pe_cache, decode, bits[:num_tokens], out, lse)
@@ -216,7 +186,7 @@ class DDTreeMLAImpl(MLACommonImpl[DDTreeMLAMetadata]):
         log-sum-exp merge (``split_verify``)."""
         from vllm.v1.attention.ops.flashmla import flash_mla_with_kvcache
 
-        from vllm_ddtree.mla_tree_tail import pack_context_query, split_verify
+        from vllm_ddtree.kernels import pack_context_query, split_verify
 
         num_reqs, width, num_heads = decode.seq_lens.shape[0], decode.max_query_len, q_nope.shape[1]
 
@@ -224,7 +194,7 @@ class DDTreeMLAImpl(MLACommonImpl[DDTreeMLAMetadata]):
             q = pack_context_query(q_nope, q_pe, decode.padded_rows).view(num_reqs, width, num_heads, -1)
             return flash_mla_with_kvcache(
                 q=q, k_cache=kv_cache.unsqueeze(-2), block_table=decode.block_table,
-                cache_seqlens=decode.context_lens, head_dim_v=KV_LORA_RANK,
+                cache_seqlens=decode.context_lens, head_dim_v=MLA_KV_LORA_RANK,
                 tile_scheduler_metadata=decode.flashmla_sched, softmax_scale=self.scale, causal=False,
             )  # fmt: skip
 
@@ -256,7 +226,9 @@ class DDTreeMLABackend(MLACommonBackend):
         """64-token pages where FlashMLA can take the context keys (Hopper), else vLLM's default."""
         from vllm.v1.attention.ops.flashmla import is_flashmla_dense_supported
 
-        return 64 if is_flashmla_dense_supported()[0] else super().get_preferred_block_size(default_block_size)
+        if is_flashmla_dense_supported()[0]:
+            return FLASHMLA_PAGE
+        return super().get_preferred_block_size(default_block_size)
 
     @staticmethod
     def get_name() -> str:
@@ -272,7 +244,7 @@ class DDTreeMLABackend(MLACommonBackend):
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
-        return [KV_LORA_RANK + ROPE_DIM]
+        return [MLA_HEAD_DIM]
 
     @classmethod
     def supports_compute_capability(cls, capability: Any) -> bool:

@@ -2,8 +2,9 @@
 // It runs inside the captured graph: reads seq_lens / query_start_loc on the device and cuts the concatenated KV-tile
 // sequence of all requests into P parts of about equal cost, so grid and workspace stay fixed. Greedy, one thread
 // (exact per-piece overhead accounting; B + P serial steps). The decode kernel plans in each of its CTAs instead
-// (mla_sched_plan.cuh).
-#include "mla_tree_verify.cuh"
+// (scheduling/sched_plan.cuh).
+#include "entry_points.h"
+#include "params.h"
 
 namespace ddtree {
 

@@ -2,57 +2,57 @@
 
 Importing this module never compiles or touches CUDA, so it is safe on CPU-only machines; the extension is built on
 first use (or by :func:`load_extension`) and registers ``torch.ops.ddtree.mla_tree_verify`` through TORCH_LIBRARY,
-which makes the op usable inside ``torch.compile`` graphs and CUDA-graph capture.
+which makes the op usable inside ``torch.compile`` graphs and CUDA-graph capture. Which kernel a launch runs is
+decided by ``mla_dispatch`` and passed to the op as parameters.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-import os
 import threading
 from pathlib import Path
 
 import torch
 
-_SOURCES = ("bindings.cpp", "mla_tree_verify.cu", "mla_tree_verify_portable.cu", "mla_tree_verify_sched.cu",
-            "mla_decode_verify.cu")
-_HEADERS = ("mla_tree_verify.cuh", "mla_device_utils.cuh", "mla_decode_layout.cuh", "mla_sched_plan.cuh",
-            "mla_launch.cuh", "mla_row_tile.cuh", "host_device.cuh")
+from vllm_ddtree import envs
+from vllm_ddtree.constants import MAX_TREE_WIDTH, MLA_HEAD_DIM, MLA_KV_LORA_RANK, MLA_ROPE_DIM
+from vllm_ddtree.kernels.mla_dispatch import mla_launch
+
+# The extension's translation units, relative to csrc/ (which is also the include root). Every file under csrc/, the
+# headers included, enters the build's cache key.
+SOURCES = ("api/bindings.cpp", "scheduling/sched_kernel.cu", "variants/resident_v.cu", "variants/portable.cu",
+           "variants/decode.cu", "combine/combine.cu")
 _lock = threading.Lock()
 _loaded = False
-# DDTREE_MLA_VARIANT values (read by the kernel at each launch; unset = auto): auto picks per launch (the decode
-# kernel at few rows a request, else resident-V on sm_90, portable elsewhere); the others force one, for tests and
-# benchmarks (decode-shallow: the decode kernel with the 2-stage ring of 100-KB-per-SM GPUs such as sm_120).
-KERNEL_VARIANTS = ("auto", "portable", "decode", "decode-shallow")
 
 
 def csrc_dir() -> Path:
-    """Kernel sources: ``$VLLM_DDTREE_CSRC`` when set (A/B timing of a kernel change), else the packaged copy
-    (``vllm_ddtree/csrc``), else the repository's ``csrc/``."""
-    override = os.environ.get("VLLM_DDTREE_CSRC")
+    """Kernel sources: ``$VLLM_DDTREE_CSRC`` when set (A/B timing of a kernel change), else the packaged
+    ``vllm_ddtree/kernels/csrc``."""
+    override = envs.VLLM_DDTREE_CSRC
     if override:
-        if not (Path(override) / _SOURCES[0]).is_file():
-            raise FileNotFoundError(f"VLLM_DDTREE_CSRC={override} has no {_SOURCES[0]}; point it at a csrc/ tree")
+        if not (Path(override) / SOURCES[0]).is_file():
+            raise FileNotFoundError(f"VLLM_DDTREE_CSRC={override} has no {SOURCES[0]}; point it at a csrc/ tree")
         return Path(override).resolve()  # absolute: the build files name the sources
-    here = Path(__file__).resolve().parent
-    for cand in (here / "csrc", here.parent / "csrc"):
-        if (cand / _SOURCES[0]).is_file():
-            return cand
-    raise FileNotFoundError("vllm_ddtree: csrc/ sources not found next to the package")
+    packaged = Path(__file__).resolve().parent / "csrc"
+    if not (packaged / SOURCES[0]).is_file():
+        raise FileNotFoundError(f"vllm_ddtree: the kernel sources are missing from {packaged}")
+    return packaged
 
 
 def cache_root() -> Path:
     """Where built artifacts are cached: ``$VLLM_DDTREE_CACHE``, else ``~/.cache/vllm-ddtree``."""
-    return Path(os.environ.get("VLLM_DDTREE_CACHE", Path.home() / ".cache" / "vllm-ddtree"))
+    return Path(envs.VLLM_DDTREE_CACHE)
 
 
 def _build_dir(src: Path, arch_list: str) -> tuple[str, Path]:
-    """Cache key: source contents + arch list + torch/CUDA versions, so a stale build is never loaded."""
+    """Cache key: every source file's path and contents + arch list + torch/CUDA versions, so a stale build is never
+    loaded."""
     h = hashlib.sha256()
-    for name in _SOURCES + _HEADERS:
-        h.update(name.encode())
-        h.update((src / name).read_bytes())
+    for path in sorted(p for p in src.rglob("*") if p.is_file()):
+        h.update(path.relative_to(src).as_posix().encode())
+        h.update(path.read_bytes())
     h.update(f"{arch_list}|{torch.__version__}|{torch.version.cuda}".encode())
     key = h.hexdigest()[:16]
     d = cache_root() / "torch_ext" / f"ddtree_C_{key}"
@@ -61,7 +61,8 @@ def _build_dir(src: Path, arch_list: str) -> tuple[str, Path]:
 
 
 def load_extension(verbose: bool = False) -> None:
-    """Builds (once, cached) and loads the extension, which registers the ``torch.ops.ddtree`` ops."""
+    """Builds (once, cached) and loads the extension, which registers the ``torch.ops.ddtree`` ops; first refuses a
+    misconfigured environment (``envs.check_environ``)."""
     global _loaded
     if _loaded:
         return
@@ -70,15 +71,17 @@ def load_extension(verbose: bool = False) -> None:
             return
         from torch.utils.cpp_extension import load
 
+        envs.check_environ()
         src = csrc_dir()
-        arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
+        arch_list = envs.TORCH_CUDA_ARCH_LIST
         if not arch_list and torch.cuda.is_available():  # torch then builds for the visible GPUs; key on them
             caps = {torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())}
             arch_list = ";".join(f"{a}.{b}" for a, b in sorted(caps))
         name, bdir = _build_dir(src, arch_list)
         load(
             name=name,
-            sources=[str(src / s) for s in _SOURCES],
+            sources=[str(src / s) for s in SOURCES],
+            extra_include_paths=[str(src)],
             extra_cflags=["-O3", "-std=c++17"],
             extra_cuda_cflags=["-O3", "-std=c++17", "-lineinfo", "--threads=4"],
             build_directory=str(bdir),
@@ -94,14 +97,6 @@ def _rows16(t: torch.Tensor) -> torch.Tensor:
         return t
     ok = t.stride(-1) == 1 and t.stride(0) % 8 == 0 and t.stride(1) % 8 == 0 and t.data_ptr() % 16 == 0
     return t if ok else t.contiguous()
-
-
-def check_kernel_variant() -> str:
-    """``DDTREE_MLA_VARIANT``, refused with the accepted values when unknown (the kernel would take it for auto)."""
-    value = os.environ.get("DDTREE_MLA_VARIANT", "auto")
-    if value not in KERNEL_VARIANTS:
-        raise ValueError(f"DDTREE_MLA_VARIANT must be one of {', '.join(KERNEL_VARIANTS)} (or unset), got {value!r}")
-    return value
 
 
 def mla_tree_verify(
@@ -125,18 +120,21 @@ def mla_tree_verify(
     tokens included; they are the last q_len keys), query_start_loc [B+1] int32, tree_bits [T] int64 (bit j: the
     query sees its request's tree key j), out [T,H,512], lse [T,H] float32 (natural log). Requests with q_len 0 write
     nothing. ``max_query_len`` (host int, >= every request's q_len, <= 64) sizes the grid; without it min(T, 64) is
-    used, which is correct but launches idle CTAs for batches of many short requests.
+    used, which is correct but launches idle CTAs for batches of many short requests. The kernel and its sizing
+    come from ``mla_dispatch.mla_launch`` (shapes, GPU, ``VLLM_DDTREE_MLA_*`` knobs).
     """
-    if q_nope.dim() != 3 or q_nope.shape[-1] != 512 or q_pe.shape[-1] != 64:
-        raise ValueError(f"q_nope must be [T,H,512] and q_pe [T,H,64], got {tuple(q_nope.shape)}, {tuple(q_pe.shape)}")
-    if kv_cache.dim() != 3 or kv_cache.shape[-1] != 576:
-        raise ValueError(f"kv_cache must be [blocks, block_size, 576], got {tuple(kv_cache.shape)}")
+    if q_nope.dim() != 3 or q_nope.shape[-1] != MLA_KV_LORA_RANK or q_pe.shape[-1] != MLA_ROPE_DIM:
+        raise ValueError(f"q_nope must be [T,H,{MLA_KV_LORA_RANK}] and q_pe [T,H,{MLA_ROPE_DIM}], got "
+                         f"{tuple(q_nope.shape)}, {tuple(q_pe.shape)}")
+    if kv_cache.dim() != 3 or kv_cache.shape[-1] != MLA_HEAD_DIM:
+        raise ValueError(f"kv_cache must be [blocks, block_size, {MLA_HEAD_DIM}], got {tuple(kv_cache.shape)}")
     if not (softmax_scale > 0 and kv_scale > 0 and math.isfinite(softmax_scale * kv_scale)):
         raise ValueError(f"softmax_scale and kv_scale must be positive and finite (the kernels take each row's max "
                          f"over unscaled scores), got {softmax_scale}, {kv_scale}")
     if kv_cache.dtype == torch.float8_e4m3fn:
         kv_cache = kv_cache.view(torch.uint8)
-    check_kernel_variant()
+    max_q = int(max_query_len) if max_query_len else min(q_nope.shape[0], MAX_TREE_WIDTH)
+    launch = mla_launch(q_nope.device, max_q * q_nope.shape[1], block_table.shape[0], kv_cache.dtype == torch.uint8)
     q_nope, q_pe = _rows16(q_nope), _rows16(q_pe)
     load_extension()
     torch.ops.ddtree.mla_tree_verify(
@@ -151,5 +149,9 @@ def mla_tree_verify(
         float(kv_scale),
         out,
         lse,
-        int(max_query_len or 0),
+        max_q,
+        launch.kernel,
+        launch.decode_deep,
+        launch.decode_ctas_per_sm,
+        launch.pdl,
     )

@@ -1,4 +1,4 @@
-// Row-tile pieces of the portable 64-row kernel (mla_tree_verify_portable.cu), apart from its tile loop: Q loads,
+// Row-tile pieces of the portable 64-row kernel (variants/portable.cu), apart from its tile loop: Q loads,
 // the pair exchange, tree mask and online softmax, and the epilogue. Its layout: 8 warps, warp (row group
 // g = warp & 3, k-step parity c = warp >> 2) holding Q's latent k-steps 2i + c of its 16 rows in registers, Q's rope
 // dims in one swizzled [64 x 64] chunk of shared memory, and warp w owning O[64 rows x dims 64w .. 64w + 63].
@@ -10,13 +10,13 @@
 #include <cmath>
 #include <cstring>
 
-#include "mla_device_utils.cuh"
-#include "mla_tree_verify.cuh"
+#include "device_utils.cuh"
+#include "params.h"
 
 namespace ddtree {
 namespace row_tile {
 
-using namespace dev;  // mla_device_utils.cuh
+using namespace dev;  // device_utils.cuh
 
 __device__ __forceinline__ void pair_barrier(int id) {  // the two warps of a row group (64 threads)
   asm volatile("bar.sync %0, 64;\n" ::"r"(id) : "memory");

@@ -1,4 +1,4 @@
-// Shared-memory layout and fragment addressing of the decode kernel (mla_decode_verify.cu), kept free of CUDA
+// Shared-memory layout and fragment addressing of the decode kernel (variants/decode.cu), kept free of CUDA
 // headers so the host harness tests/csrc/decode_frag_check.cpp checks these very expressions against the PTX
 // fragment layouts (emulated ldmatrix / mma.m16n8k16) and for bank conflicts.
 //

@@ -1,5 +1,7 @@
 // Torch binding: registers ddtree::mla_tree_verify (CUDA + Meta) so it is callable from compiled models and
 // inside CUDA graphs. Everything decided here comes from shapes, strides and host scalars; nothing reads device data.
+// Which kernel runs (and how the decode kernel is configured) is a parameter: the Python dispatch table
+// (vllm_ddtree/kernels/mla_dispatch.py) decides it; this file only checks it and sizes the launch.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -8,31 +10,40 @@
 
 #include <cmath>
 
-#include "mla_tree_verify.cuh"
+#include "device_cache.h"
+#include "entry_points.h"
+#include "params.h"
 
 namespace {
 
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
-// SM count of `device`, cached (ATen/cuda/CUDAContext.h would pull in cuSPARSE headers that CPU CI boxes lack).
-int num_sms(int device) {
-  static int cache[64] = {0};
-  if (device < 0 || device >= 64) device = 0;
-  if (cache[device] == 0) {
-    int v = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device));
-    cache[device] = v;
+// The launch sequence on `stream`: the decode kernel plans in its own CTAs, then its wide combine; the 64-row
+// kernels run after the device scheduler and before their combine. No host synchronization, no host reads of device
+// data.
+void launch(const ddtree::MlaParams& p, bool decode_deep, bool pdl, cudaStream_t stream) {
+  if (p.variant == ddtree::kVariantDecode) {
+    ddtree::launch_mla_decode(p, decode_deep, pdl, stream);
+    ddtree::launch_mla_combine_wide(p, pdl, stream);
+    return;
   }
-  return cache[device];
+  ddtree::launch_mla_sched(p, stream);
+  if (p.variant == ddtree::kVariantResidentV) {
+    ddtree::launch_mla_resident_v(p, stream);
+  } else {
+    ddtree::launch_mla_portable(p, stream);
+  }
+  ddtree::launch_mla_combine(p, stream);
 }
 
 void mla_tree_verify_cuda(const at::Tensor& q_nope, const at::Tensor& q_pe, const at::Tensor& kv_cache,
                           const at::Tensor& block_table, const at::Tensor& seq_lens,
                           const at::Tensor& query_start_loc, const at::Tensor& tree_bits, double softmax_scale,
-                          double kv_scale, at::Tensor& out, at::Tensor& lse, int64_t max_query_len) {
+                          double kv_scale, at::Tensor& out, at::Tensor& lse, int64_t max_query_len, int64_t kernel,
+                          bool decode_deep, int64_t decode_ctas_per_sm, bool pdl) {
   TORCH_CHECK(q_nope.is_cuda() && q_pe.is_cuda() && kv_cache.is_cuda(), "mla_tree_verify: CUDA tensors expected");
   TORCH_CHECK(q_nope.dim() == 3 && q_nope.size(2) == ddtree::kDV, "q_nope must be [T, H, 512]");
-  TORCH_CHECK(q_pe.dim() == 3 && q_pe.size(2) == ddtree::kDQK - ddtree::kDV, "q_pe must be [T, H, 64]");
+  TORCH_CHECK(q_pe.dim() == 3 && q_pe.size(2) == ddtree::kDRope, "q_pe must be [T, H, 64]");
   const int64_t T = q_nope.size(0), H = q_nope.size(1);
   TORCH_CHECK(q_pe.size(0) == T && q_pe.size(1) == H, "q_pe shape mismatch");
   TORCH_CHECK(H % 8 == 0 && H >= 8 && H <= 128, "H must be a multiple of 8 in [8, 128]");
@@ -76,23 +87,37 @@ void mla_tree_verify_cuda(const at::Tensor& q_nope, const at::Tensor& q_pe, cons
   TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.dim() == 2 && lse.size(0) == T && lse.size(1) == H,
               "lse must be float32 [T, H]");
 
-  int64_t max_q = max_query_len > 0 ? max_query_len : std::min<int64_t>(T, ddtree::kMaxTreeTokens);
+  const int64_t max_q = max_query_len;
   TORCH_CHECK(softmax_scale > 0 && kv_scale > 0 && std::isfinite(softmax_scale * kv_scale),
               "softmax_scale and kv_scale must be positive and finite");
   TORCH_CHECK(max_q >= 1 && max_q <= ddtree::kMaxTreeTokens, "max_query_len must be in [1, 64]");
+  TORCH_CHECK(kernel == ddtree::kVariantPortable || kernel == ddtree::kVariantResidentV ||
+                  kernel == ddtree::kVariantDecode,
+              "kernel must be 0 (portable), 1 (resident-V) or 2 (decode), got ", kernel);
+  TORCH_CHECK(decode_ctas_per_sm >= 0, "decode_ctas_per_sm must be >= 0 (0: the occupancy)");
   if (T == 0) return;
 
   const c10::cuda::CUDAGuard guard(q_nope.device());
   const int device = q_nope.get_device();
-  const int sms = num_sms(device);
+  const ddtree::DeviceInfo& info = ddtree::device_info(device);
+  TORCH_CHECK(info.sms > 0, "mla_tree_verify: could not query the attributes of CUDA device ", device);
+  const int sms = info.sms;
+  TORCH_CHECK(kernel != ddtree::kVariantResidentV || info.smem_per_block_optin >= ddtree::kResidentVSmem,
+              "the resident-V kernel needs ", ddtree::kResidentVSmem, " bytes of shared memory a block; this GPU "
+              "has ", info.smem_per_block_optin);
+  TORCH_CHECK(kernel != ddtree::kVariantDecode || !decode_deep ||
+                  info.smem_per_block_optin >= (fp8 ? ddtree::kDecodeDeepSmemFp8 : ddtree::kDecodeDeepSmemBf16),
+              "the decode kernel's deep configuration does not fit this GPU's shared memory a block");
   const int rows = static_cast<int>(max_q * H);  // packed rows per request, fixed per graph
-  const int variant = ddtree::mla_pick_variant(device, rows, B);
+  const int variant = static_cast<int>(kernel);
   int row_tiles, parts;
   if (variant == ddtree::kVariantDecode) {
     // 16-row CTAs, several per SM: as many parts as CTAs that fit the GPU at once (each CTA cuts its own part of
-    // the requests' tiles out of the line plan, mla_sched_plan.cuh: its cost grows with B, not with the parts)
+    // the requests' tiles out of the line plan, scheduling/sched_plan.cuh: its cost grows with B, not with the parts)
     row_tiles = (rows + ddtree::kDecodeBM - 1) / ddtree::kDecodeBM;
-    parts = std::max(1, ddtree::mla_decode_ctas_per_sm(device, fp8) * sms / row_tiles);
+    const int ctas = decode_ctas_per_sm > 0 ? static_cast<int>(decode_ctas_per_sm)
+                                            : ddtree::mla_decode_ctas_per_sm(device, fp8, decode_deep);
+    parts = std::max(1, ctas * sms / row_tiles);
   } else {
     row_tiles = (rows + ddtree::kBM - 1) / ddtree::kBM;
     parts = std::max(1, sms / row_tiles);
@@ -116,7 +141,7 @@ void mla_tree_verify_cuda(const at::Tensor& q_nope, const at::Tensor& q_pe, cons
   p.seq_lens = seq_lens.data_ptr<int>();
   p.qsl = query_start_loc.data_ptr<int>();
   p.tree_bits = tree_bits.data_ptr<int64_t>();
-  p.scale_log2 = static_cast<float>(softmax_scale * kv_scale * 1.4426950408889634);
+  p.scale_log2 = static_cast<float>(softmax_scale * kv_scale * ddtree::kLog2e);
   p.kv_scale = static_cast<float>(kv_scale);
   p.out = out.data_ptr();
   p.out_s0 = out.stride(0);
@@ -148,13 +173,13 @@ void mla_tree_verify_cuda(const at::Tensor& q_nope, const at::Tensor& q_pe, cons
   p.ws_o_bf16 = bf16_partials ? static_cast<uint16_t*>(ws_o.data_ptr()) : nullptr;
   p.ws_lse = ws_lse.data_ptr<float>();
 
-  ddtree::launch_mla_tree_verify(p, c10::cuda::getCurrentCUDAStream().stream());
+  launch(p, decode_deep, pdl, c10::cuda::getCurrentCUDAStream().stream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void mla_tree_verify_meta(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                           const at::Tensor&, const at::Tensor&, const at::Tensor&, double, double, at::Tensor&,
-                          at::Tensor&, int64_t) {}
+                          at::Tensor&, int64_t, int64_t, bool, int64_t, bool) {}
 
 }  // namespace
 
@@ -162,7 +187,7 @@ TORCH_LIBRARY(ddtree, m) {
   m.def(
       "mla_tree_verify(Tensor q_nope, Tensor q_pe, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
       "Tensor query_start_loc, Tensor tree_bits, float softmax_scale, float kv_scale, Tensor(a!) out, "
-      "Tensor(b!) lse, int max_query_len=0) -> ()");
+      "Tensor(b!) lse, int max_query_len, int kernel, bool decode_deep, int decode_ctas_per_sm, bool pdl) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(ddtree, CUDA, m) { m.impl("mla_tree_verify", &mla_tree_verify_cuda); }

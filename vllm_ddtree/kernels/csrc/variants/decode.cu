@@ -6,7 +6,7 @@
 // rate: O = 64 x 512 fp32 in registers allows one 256-thread CTA per SM, and each tile is a chain of
 // barrier-separated ring steps, so the SM mostly waits. Here a CTA is 4 warps owning ONE 16-row block (one m16
 // tile) of one request, several CTAs share an SM, and a KV tile costs one block barrier:
-// - warp w owns 144 of the 576 dims (latent 128w.., rope 512+16w..; mla_decode_layout.cuh). Per 16-key tile it
+// - warp w owns 144 of the 576 dims (latent 128w.., rope 512+16w..; variants/decode_layout.cuh). Per 16-key tile it
 //   loads only its dims of the 16 keys (cp.async ring of STAGES tiles, warp-private slots), keeps its Q fragments
 //   (16 rows x 144 dims, 36 registers) for the whole piece, and computes a partial S = Q K^T over its dims;
 // - the 4 partial S (16 x 16 fp32) are summed through a double-buffered shared array: the tile's only
@@ -20,16 +20,16 @@
 // exchange, barrier and softmax is paid once per 32 keys and each warp has twice the independent mma between
 // barriers. Slice h of a tile lies at h * slice bytes in the warp's ring slot; a slice wholly past L is zero-filled.
 // Below, "16-key tile" reads "slice" where KSUB = 2.
-// Split-KV: the requests' tiles are cut into P = CTAs per SM x SMs parts by the line plan of mla_sched_plan.cuh, and
+// Split-KV: the requests' tiles are cut into P = CTAs per SM x SMs parts by the line plan of scheduling/sched_plan.cuh, and
 // CTA (rt, part) derives its part's pieces (request, tile range, workspace slot) itself at its start (part_plan: two
 // block scans over the requests, then a walk from the part's first request), so no planner kernel runs before it
 // (one did, 3-4 us plus a launch gap on the H200). Split requests write normalized partials as bf16 (half the bytes of
 // fp32 to write and to merge; each adds at most 2^-9 relative rounding, like the bf16 output) + fp32 base-2 lse into
-// the workspace, merged by mla_combine_wide_kernel (a team of 1-32 warps per (request, row, 128 dims), over the
-// pieces: a request of B = 1 has hundreds of pieces, one of B = 64 a few).
+// the workspace, merged by mla_combine_wide_kernel (combine/combine.cu: a team of 1-32 warps per (request, row,
+// 128 dims), over the pieces: a request of B = 1 has hundreds of pieces, one of B = 64 a few).
 // Masking: only tiles reaching the tree keys (>= L - n) test the tree bits; keys >= L are zero-filled and masked.
 //
-// Invariants a reviewer needs (fragment layouts and addresses: mla_decode_layout.cuh, checked on the CPU by
+// Invariants a reviewer needs (fragment layouts and addresses: variants/decode_layout.cuh, checked on the CPU by
 // tests/csrc/decode_frag_check.cpp):
 // - Warp-private data: a warp reads only ring slots, Q staging and widening buffers it wrote itself, so
 //   cp.async.wait_group + __syncwarp order them (RAW), and the __syncwarp at the top of each tile orders the last
@@ -43,7 +43,7 @@
 // - Every warp sums the 4 partials in the same order, (w0 + w1) + (w2 + w3), so S, the reference max m and its
 //   lazy-rescaling decisions, alpha, P and l are bit-identical in all warps; each warp rescales and normalizes its
 //   own O columns with them, warp 0 writes the lse.
-// - Programmatic dependent launch (sm_90+, launch_kernel below): both kernels start with griddepcontrol.wait, before
+// - Programmatic dependent launch (sm_90+, launch_kernel in launch.cuh): both kernels start with griddepcontrol.wait, before
 //   any memory access, so each sees its predecessor complete (the combine: this kernel's partials and split counts).
 // - Rows >= rows (padding of the 16-row block) have zero Q, so finite S, and are never stored. Requests with q_len 0
 //   or L = 0 get no piece (the walk skips them), so no block-table read and no write.
@@ -58,14 +58,13 @@
 #include <cuda_fp16.h>
 
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 
-#include "mla_decode_layout.cuh"
-#include "mla_device_utils.cuh"
-#include "mla_launch.cuh"
-#include "mla_sched_plan.cuh"
-#include "mla_tree_verify.cuh"
+#include "device_utils.cuh"
+#include "entry_points.h"
+#include "launch.cuh"
+#include "params.h"
+#include "scheduling/sched_plan.cuh"
+#include "variants/decode_layout.cuh"
 
 namespace ddtree {
 namespace {
@@ -98,7 +97,7 @@ struct DecCfg {
 
 // Configurations. Deep (two CTAs fit an SM: sm_90; not sm_80's 164 KB): 32-key tiles, 2 bf16 / 3 fp8 stages
 // (90,112 / 108,544 B, 2 CTAs an SM). Shallow (sm_80 and the 100 KB-per-SM GPUs sm_86 / sm_89 / sm_120, or
-// DDTREE_MLA_VARIANT=decode-shallow): 16-key tiles, 2 stages (45,056 B, two or more CTAs an SM).
+// VLLM_DDTREE_MLA_VARIANT=decode-shallow): 16-key tiles, 2 stages (45,056 B, two or more CTAs an SM).
 constexpr int kDeepSub = 2, kDeepStagesBf16 = 2, kDeepStagesFp8 = 3;
 constexpr int kShallowSub = 1, kShallowStages = 2;
 
@@ -120,7 +119,7 @@ struct PartShared {
   int per, hi;           // line units per part, end of this part's line range
 };
 
-// This CTA's part of the split plan (mla_sched_plan.cuh) into s. Thread t sums the contiguous requests
+// This CTA's part of the split plan (scheduling/sched_plan.cuh) into s. Thread t sums the contiguous requests
 // [t * chunk, (t + 1) * chunk) (any B: chunk = ceil(B / 128)): a block scan of their line costs gives the line length
 // (so `per`) and each range's line start; a second one, of their split requests' slots, the slots before the
 // request that holds the part's start x, whose thread then publishes the cursor. Three barriers, each scan's warp
@@ -193,7 +192,7 @@ __global__ void __launch_bounds__(kDecThreads, kDecMinBlocks<KSUB>) mla_decode_v
   const int row_bytes = static_cast<int>(p.kv_row_stride);  // < 2^31 (checked by the binding)
   int xb = 0;  // S exchange buffer; alternates every tile, across pieces too (CTA-uniform)
 
-  // The part's pieces, request by request from its first one (mla_sched_plan.cuh); CTA-uniform throughout.
+  // The part's pieces, request by request from its first one (scheduling/sched_plan.cuh); CTA-uniform throughout.
   int c = plan_s.cur.c;  // line start of request b
   for (int b = plan_s.cur.b; b < p.B; ++b) {
     const int q0 = p.qsl[b];
@@ -513,219 +512,49 @@ __global__ void __launch_bounds__(kDecThreads, kDecMinBlocks<KSUB>) mla_decode_v
   }
 }
 
-// Merges the split partials of one (request, row, 128-dim slice) in a team of W = 2^team_log2 warps (1..32), sized
-// by the host from the pieces an average request has: 32 warps for the hundreds of pieces of B = 1, single warps for
-// the few pieces of large batches (few blocks, about one wave). A block holds max(8, W) warps. The time is set by
-// chains of memory latencies, not by bytes (H200, 2026-12-01: B = 64 x 4k, H 16: 15.4 us with blocks of 8 warps per
-// row, 6.5 with single-warp teams; B = 1 x 128k, H 8: 12.9 us with a team of 8, 9.1 with a team of 32; a team that
-// read the lse twice, for the max and then the sum, before the partials took 7.6 us there, and an online loop that
-// loaded one piece a step 15.3 us). So each warp loads up to kCombineChunk of its pieces (k, k + W, ...) into
-// registers at once, lse and partial together, then folds them into its running (max m, sum s, acc): one memory
-// latency for up to W * kCombineChunk pieces. The team's first warp merges the W triples in warp order (fixed order
-// throughout: deterministic). Teams of rows without a split exit.
-constexpr int kCombineMaxTeamLog2 = 5;
-// pieces a warp loads at once: B = 1 on up to 160 SMs x 2 CTAs in one round (12 spilled on sm_80 / sm_90)
-constexpr int kCombineChunk = 10;
-
-struct CombinePart {  // one warp's running merge; lse terms in base 2
-  float m, s;
-  float4 acc;
-};
-
-__global__ void __launch_bounds__(1024) mla_combine_wide_kernel(const MlaParams p, int team_log2) {
-  extern __shared__ CombinePart red[];  // [warps of the block][32]
-  grid_dep_wait();  // the main kernel's partials and split counts complete and visible (PDL on sm_90+)
-  grid_dep_launch();
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int W = 1 << team_log2, sub = warp & (W - 1);
-  const int rstride = p.max_q * p.H;
-  const int team = blockIdx.x * ((blockDim.x >> 5) >> team_log2) + (warp >> team_log2);
-  const int slice = team & 3, row = (team >> 2) % rstride, b = (team >> 2) / rstride;
-  const DecodeSplitView sv(p.sched, p.B);
-  int q0 = 0, np = 0;
-  if (b < p.B) {
-    q0 = p.qsl[b];
-    if (row < (p.qsl[b + 1] - q0) * p.H) np = sv.req_npieces[b];
-  }
-  const bool active = np > 1;  // warp-uniform; np <= 1: written directly by the main kernel (or no work)
-  const int slot0 = active ? sv.req_slot0[b] : 0;
-  CombinePart c{-INFINITY, 0.f, make_float4(0.f, 0.f, 0.f, 0.f)};
-  for (int i0 = sub; active && i0 < np; i0 += W * kCombineChunk) {
-    const int cnt = min(kCombineChunk, (np - i0 + W - 1) / W);  // this warp's pieces in the round (warp-uniform)
-    float l[kCombineChunk];
-    uint2 v[kCombineChunk];
-#pragma unroll
-    for (int k = 0; k < kCombineChunk; ++k) {
-      if (k < cnt) {
-        const int64_t base = (int64_t)(slot0 + i0 + k * W) * rstride + row;
-        l[k] = p.ws_lse[base];
-        v[k] = reinterpret_cast<const uint2*>(p.ws_o_bf16 + base * kDV + slice * 128)[lane];  // 4 bf16
-      }
-    }
-    float mx = c.m;
-#pragma unroll
-    for (int k = 0; k < kCombineChunk; ++k)
-      if (k < cnt) mx = fmaxf(mx, l[k]);
-    const float ref = mx == -INFINITY ? 0.f : mx;  // all-masked so far: every weight is exp2(-inf) = 0
-    const float keep = fast_exp2(c.m - ref);
-    c.s *= keep;
-    c.acc = make_float4(c.acc.x * keep, c.acc.y * keep, c.acc.z * keep, c.acc.w * keep);
-#pragma unroll
-    for (int k = 0; k < kCombineChunk; ++k) {
-      if (k >= cnt) break;  // only the pieces loaded: the math after the loads is the call's serial tail
-      const float w = fast_exp2(l[k] - ref);
-      const float4 x = unpack_bf16x4(v[k]);
-      c.s += w;
-      c.acc.x += w * x.x;
-      c.acc.y += w * x.y;
-      c.acc.z += w * x.z;
-      c.acc.w += w * x.w;
-    }
-    c.m = mx;
-  }
-  red[warp * 32 + lane] = c;
-  __syncthreads();
-  if (!active || sub != 0) return;
-  float mu = -INFINITY;
-  for (int w = 0; w < W; ++w) mu = fmaxf(mu, red[(warp + w) * 32 + lane].m);
-  if (mu == -INFINITY) mu = 0.f;
-  float sum = 0.f;
-  float4 t = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int w = 0; w < W; ++w) {
-    const CombinePart& o = red[(warp + w) * 32 + lane];
-    const float k = exp2f(o.m - mu);
-    sum += k * o.s;
-    t.x += k * o.acc.x;
-    t.y += k * o.acc.y;
-    t.z += k * o.acc.z;
-    t.w += k * o.acc.w;
-  }
-  const float inv = sum > 0.f ? 1.f / sum : 0.f;
-  const int node = row / p.H, head = row % p.H;
-  const int64_t tok = q0 + node;
-  char* orow = reinterpret_cast<char*>(p.out) + (tok * p.out_s0 + head * p.out_s1) * 2;
-  const int d = slice * 128 + lane * 4;
-  // two 4-byte stores: the binding guarantees 4-byte aligned output rows (even strides), not 8
-  *reinterpret_cast<uint32_t*>(orow + d * 2) = pack_out(t.x * inv, t.y * inv, p.out_fp16);
-  *reinterpret_cast<uint32_t*>(orow + d * 2 + 4) = pack_out(t.z * inv, t.w * inv, p.out_fp16);
-  if (slice == 0 && lane == 0)
-    p.lse[tok * p.lse_s0 + head * p.lse_s1] = sum > 0.f ? (mu + log2f(sum)) * kLn2 : -INFINITY;
-}
-
-int device_attr(cudaDeviceAttr a, int device) {
-  int v = 0;
-  if (cudaDeviceGetAttribute(&v, a, device) != cudaSuccess) v = 0;
-  return v;
-}
-
 using DeepBf16 = DecCfg<false, kDeepStagesBf16, kDeepSub>;
 using DeepFp8 = DecCfg<true, kDeepStagesFp8, kDeepSub>;
 static_assert(DecCfg<false, kShallowStages, kShallowSub>::kSmem <= 101376 &&
                   DecCfg<true, kShallowStages, kShallowSub>::kSmem <= 101376,
               "the shallow configuration must fit sm_120's 99 KB per block");
+// The dispatch (vllm_ddtree/kernels/mla_dispatch.py) picks the deep configuration where two CTAs of it fit an SM,
+// from these sizes (constants.MLA_DECODE_DEEP_SMEM_*), else the shallow one.
+static_assert(DeepBf16::kSmem == kDecodeDeepSmemBf16 && DeepFp8::kSmem == kDecodeDeepSmemFp8,
+              "kDecodeDeepSmem* are the deep configurations' shared memory");
 
-// Deep configuration where two CTAs of it fit an SM, else the shallow one (also when DDTREE_MLA_VARIANT=decode-shallow
-// forces it, so the H200 can run sm_120's configuration). Cached per device.
-bool decode_deep(int device, bool fp8) {
-  if (mla_decode_force_shallow()) return false;
-  static int cache[64][2] = {};  // 0 unknown, 1 shallow, 2 deep
-  int& c = cache[device & 63][fp8 ? 1 : 0];
-  if (c == 0) {
-    const int per_sm = device_attr(cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
-    const int optin = device_attr(cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-    const int need = fp8 ? DeepFp8::kSmem : DeepBf16::kSmem;
-    c = (optin >= need && per_sm >= 2 * (need + 1024)) ? 2 : 1;
-  }
-  return c == 2;
-}
-
+// CTAs of one configuration resident on an SM of `device` (cached per device: device_cache.h).
 template <bool FP8, int STAGES, int KSUB>
 int occupancy(int device) {
-  ensure_dynamic_smem<mla_decode_verify_kernel<FP8, STAGES, KSUB>>(DecCfg<FP8, STAGES, KSUB>::kSmem, device);
-  int n = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, mla_decode_verify_kernel<FP8, STAGES, KSUB>, kDecThreads,
-                                                    DecCfg<FP8, STAGES, KSUB>::kSmem) != cudaSuccess)
-    n = 0;
-  return n;
-}
-
-// Programmatic dependent launch on GPUs that have it (sm_90+) unless DDTREE_MLA_PDL=0: the combine's blocks (and the
-// next call's main kernel) are launched while the kernel before them drains, not after it (cached per device).
-bool use_pdl(int device) {
-  static int cache[64] = {};  // 0 unknown, 1 off, 2 on
-  int& c = cache[device & 63];
-  if (c == 0) {
-    const char* env = std::getenv("DDTREE_MLA_PDL");
-    const bool off = env != nullptr && std::strcmp(env, "0") == 0;
-    c = !off && device_attr(cudaDevAttrComputeCapabilityMajor, device) >= 9 ? 2 : 1;
-  }
-  return c == 2;
-}
-
-// kernel<<<grid, block, smem, stream>>>(p, extra...), with programmatic stream serialization when `pdl`.
-template <typename... Extra>
-void launch_kernel(void (*kernel)(const MlaParams, Extra...), dim3 grid, int threads, int smem, cudaStream_t stream,
-                   bool pdl, const MlaParams& p, Extra... extra) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(threads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  cudaLaunchKernelEx(&cfg, kernel, p, extra...);
+  return max_active_ctas<mla_decode_verify_kernel<FP8, STAGES, KSUB>>(device, kDecThreads,
+                                                                      DecCfg<FP8, STAGES, KSUB>::kSmem);
 }
 
 template <bool FP8, int STAGES, int KSUB>
-void launch_decode_main(const MlaParams& p, int device, cudaStream_t stream) {
+void launch_decode_main(const MlaParams& p, int device, bool pdl, cudaStream_t stream) {
   ensure_dynamic_smem<mla_decode_verify_kernel<FP8, STAGES, KSUB>>(DecCfg<FP8, STAGES, KSUB>::kSmem, device);
   launch_kernel(mla_decode_verify_kernel<FP8, STAGES, KSUB>, dim3(p.num_row_tiles, p.num_parts), kDecThreads,
-                DecCfg<FP8, STAGES, KSUB>::kSmem, stream, use_pdl(device), p);
+                DecCfg<FP8, STAGES, KSUB>::kSmem, stream, pdl, p);
 }
 
 }  // namespace
 
-int mla_decode_ctas_per_sm(int device, bool fp8) {
-  const char* env = std::getenv("DDTREE_MLA_DECODE_CTAS_PER_SM");  // tuning knob (host-known, fixed per graph)
-  if (env != nullptr && std::atoi(env) > 0) return std::atoi(env);
-  const bool deep = decode_deep(device, fp8);
-  static int cache[64][2][2] = {};
-  int& c = cache[device & 63][fp8 ? 1 : 0][deep ? 1 : 0];
-  if (c == 0) {
-    int n;
-    if (fp8) n = deep ? occupancy<true, kDeepStagesFp8, kDeepSub>(device)
-                      : occupancy<true, kShallowStages, kShallowSub>(device);
-    else n = deep ? occupancy<false, kDeepStagesBf16, kDeepSub>(device)
-                  : occupancy<false, kShallowStages, kShallowSub>(device);
-    c = n > 0 ? n : 1;
-  }
-  return c;
+int mla_decode_ctas_per_sm(int device, bool fp8, bool deep) {
+  if (fp8) return deep ? occupancy<true, kDeepStagesFp8, kDeepSub>(device)
+                       : occupancy<true, kShallowStages, kShallowSub>(device);
+  return deep ? occupancy<false, kDeepStagesBf16, kDeepSub>(device)
+              : occupancy<false, kShallowStages, kShallowSub>(device);
 }
 
-void launch_mla_decode(const MlaParams& p, cudaStream_t stream) {
+void launch_mla_decode(const MlaParams& p, bool deep, bool pdl, cudaStream_t stream) {
   int device = 0;
   cudaGetDevice(&device);
-  const bool deep = decode_deep(device, p.kv_fp8);
   if (p.kv_fp8) {
-    if (deep) launch_decode_main<true, kDeepStagesFp8, kDeepSub>(p, device, stream);
-    else launch_decode_main<true, kShallowStages, kShallowSub>(p, device, stream);
+    if (deep) launch_decode_main<true, kDeepStagesFp8, kDeepSub>(p, device, pdl, stream);
+    else launch_decode_main<true, kShallowStages, kShallowSub>(p, device, pdl, stream);
   } else {
-    if (deep) launch_decode_main<false, kDeepStagesBf16, kDeepSub>(p, device, stream);
-    else launch_decode_main<false, kShallowStages, kShallowSub>(p, device, stream);
+    if (deep) launch_decode_main<false, kDeepStagesBf16, kDeepSub>(p, device, pdl, stream);
+    else launch_decode_main<false, kShallowStages, kShallowSub>(p, device, pdl, stream);
   }
-  // combine teams: about 8 pieces a warp for the average request (at most (P + B) / B pieces), 1..32 warps
-  const int avg_pieces = (p.num_parts + 2 * p.B - 1) / p.B;
-  int team_log2 = 0;
-  while (team_log2 < kCombineMaxTeamLog2 && (8 << team_log2) < avg_pieces) ++team_log2;
-  const int warps = (1 << team_log2) > 8 ? 1 << team_log2 : 8;  // a block: 8 warps, or one team of 16 / 32
-  const int64_t teams = (int64_t)p.B * p.max_q * p.H * (kDV / 128);
-  const int per_block = warps >> team_log2;
-  const int blocks = static_cast<int>((teams + per_block - 1) / per_block);
-  launch_kernel(mla_combine_wide_kernel, dim3(blocks), 32 * warps, static_cast<int>(warps * 32 * sizeof(CombinePart)),
-                stream, use_pdl(device), p, team_log2);
 }
 
 }  // namespace ddtree

@@ -15,21 +15,24 @@
 // - PV: warp w owns O[64 rows x dims 64w .. 64w+63] (128 registers): P from shared memory, V = chunk w of the tile.
 // - Loads: cp.async, 8 threads a token row, one address register with immediate offsets; the next tile is issued at
 //   the start of this one (fp8 tiles spread their cp.async over the QK steps).
-// Split-KV pieces come from the device scheduler (mla_tree_verify_sched.cu); a split request writes normalized fp32
-// partials and base-2 lse for the combine kernel, like the resident-V kernel (mla_tree_verify.cu).
+// Split-KV pieces come from the device scheduler (scheduling/sched_kernel.cu); a split request writes normalized fp32
+// partials and base-2 lse for the row-tile combine (combine/combine.cu), like the resident-V kernel
+// (variants/resident_v.cu).
 #include <cuda_bf16.h>
 
 #include <cmath>
 
-#include "mla_device_utils.cuh"
-#include "mla_launch.cuh"
-#include "mla_row_tile.cuh"
-#include "mla_tree_verify.cuh"
+#include "device_utils.cuh"
+#include "entry_points.h"
+#include "launch.cuh"
+#include "params.h"
+#include "scheduling/plan_piece.cuh"
+#include "variants/portable_row_tile.cuh"
 
 namespace ddtree {
 namespace {
 
-using namespace dev;  // mla_device_utils.cuh
+using namespace dev;  // device_utils.cuh
 
 template <bool FP8>
 struct PortableCfg {
@@ -50,6 +53,9 @@ struct PortableCfg {
   static constexpr int kUnitsPerRow = FP8 ? 36 : 72;            // 16-byte units per token
   static constexpr int kLoadIters = (kUnitsPerRow + 7) / 8;     // 8 threads per token
 };
+static_assert(PortableCfg<false>::kBN == mla_variant_block_n(kVariantPortable) &&
+                  PortableCfg<true>::kBN == mla_variant_block_n(kVariantPortable),
+              "the scheduler plans in this kernel's KV tiles");
 
 template <bool FP8>
 __global__ void __launch_bounds__(256, 1) mla_tree_verify_portable_kernel(const MlaParams p) {
@@ -238,7 +244,7 @@ void launch_portable(const MlaParams& p, cudaStream_t stream) {
 
 }  // namespace
 
-void launch_mla_portable_main(const MlaParams& p, cudaStream_t stream) {
+void launch_mla_portable(const MlaParams& p, cudaStream_t stream) {
   if (p.kv_fp8) {
     launch_portable<true>(p, stream);
   } else {

@@ -1,4 +1,4 @@
-// Line plan for split-KV, derived per part: the arithmetic the decode kernel (mla_decode_verify.cu) runs at the
+// Line plan for split-KV, derived per part: the arithmetic the decode kernel (variants/decode.cu) runs at the
 // start of every CTA to find its own part's pieces, kept free of CUDA headers so a host harness
 // (tests/csrc/sched_plan_check.cpp) runs the very same functions on the CPU.
 //

@@ -10,29 +10,26 @@
 // - PV: warp (row half, dim quarter) owns O[32 rows x 16 dims of every 64-dim chunk] (128 fp32 registers), so V is
 //   read by 2 warps, not 4; P and the per-row rescale (whose softmax rows belong to other warps) pass through shared
 //   memory.
-// GPUs without that shared memory take the portable kernel (mla_tree_verify_portable.cu); few rows a request go to the
-// decode kernel (mla_decode_verify.cu). Split-KV: the device scheduler (mla_tree_verify_sched.cu) hands each part a
+// GPUs without that shared memory take the portable kernel (variants/portable.cu); few rows a request go to the
+// decode kernel (variants/decode.cu). Split-KV: the device scheduler (scheduling/sched_kernel.cu) hands each part a
 // list of pieces (request, tile range); a request cut into several pieces writes normalized fp32 partials + base-2
-// lse, merged by the combine kernel below.
+// lse, merged by the row-tile combine (combine/combine.cu).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 
-#include "mla_device_utils.cuh"
-#include "mla_launch.cuh"
-#include "mla_tree_verify.cuh"
+#include "device_utils.cuh"
+#include "entry_points.h"
+#include "launch.cuh"
+#include "params.h"
+#include "scheduling/plan_piece.cuh"
 
 namespace ddtree {
-
-void launch_mla_sched(const MlaParams& p, cudaStream_t stream);
-
 namespace {
 
-using namespace dev;  // mla_device_utils.cuh
+using namespace dev;  // device_utils.cuh
 
 template <bool FP8>
 struct KCfg {
@@ -63,6 +60,9 @@ struct KCfg {
   static constexpr int kExWarp = kQKNT * 4 * 32 * 4;
   static_assert(4 * kExWarp <= kBfChunk && 4 * kExWarp <= kBM * kPStride * 2, "exchange halves must fit");
 };
+static_assert(KCfg<false>::BN == mla_variant_block_n(kVariantResidentV) &&
+                  KCfg<true>::BN == mla_variant_block_n(kVariantResidentV),
+              "the scheduler plans in this kernel's KV tiles");
 
 template <bool FP8>
 __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams p) {
@@ -461,57 +461,6 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_kernel(const MlaParams
 #endif
 }
 
-// One warp per (request, row): merges the request's split partials by log-sum-exp. Fixed order: deterministic.
-__global__ void __launch_bounds__(256) mla_combine_kernel(const MlaParams p) {
-  const int b = blockIdx.x;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int row = blockIdx.y * 8 + warp;
-  const int q0 = p.qsl[b];
-  const int n = p.qsl[b + 1] - q0;
-  if (row >= n * p.H) return;
-  SchedView sv(p.sched, p.B, p.num_parts);
-  const int np = sv.req_npieces[b];
-  if (np <= 1) return;
-  const int slot0 = sv.req_slot0[b];
-  const int rstride = p.max_q * p.H;
-  float mx = -INFINITY;
-  for (int i = lane; i < np; i += 32) mx = fmaxf(mx, p.ws_lse[(int64_t)(slot0 + i) * rstride + row]);
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-  const float mu = mx == -INFINITY ? 0.f : mx;
-  float sum = 0.f;
-  for (int i = lane; i < np; i += 32) sum += exp2f(p.ws_lse[(int64_t)(slot0 + i) * rstride + row] - mu);
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-  const float inv = sum > 0.f ? 1.f / sum : 0.f;
-  float4 acc[4];
-#pragma unroll
-  for (int k = 0; k < 4; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int i = 0; i < np; ++i) {
-    const int64_t base = (int64_t)(slot0 + i) * rstride + row;
-    const float w = exp2f(p.ws_lse[base] - mu) * inv;
-    const float4* src = reinterpret_cast<const float4*>(p.ws_o + base * kDV);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const float4 v = src[lane + 32 * k];
-      acc[k].x += w * v.x;
-      acc[k].y += w * v.y;
-      acc[k].z += w * v.z;
-      acc[k].w += w * v.w;
-    }
-  }
-  const int node = row / p.H, head = row % p.H;
-  const int64_t tok = q0 + node;
-  char* orow = reinterpret_cast<char*>(p.out) + (tok * p.out_s0 + head * p.out_s1) * 2;
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const int d = (lane + 32 * k) * 4;
-    const uint2 w = make_uint2(pack_out(acc[k].x, acc[k].y, p.out_fp16), pack_out(acc[k].z, acc[k].w, p.out_fp16));
-    *reinterpret_cast<uint2*>(orow + d * 2) = w;
-  }
-  if (lane == 0) p.lse[tok * p.lse_s0 + head * p.lse_s1] = sum > 0.f ? (mu + log2f(sum)) * kLn2 : -INFINITY;
-}
-
 template <bool FP8>
 void launch_main(const MlaParams& p, cudaStream_t stream) {
   using C = KCfg<FP8>;
@@ -520,47 +469,15 @@ void launch_main(const MlaParams& p, cudaStream_t stream) {
 
 }  // namespace
 
-bool mla_decode_force_shallow() {
-  const char* env = std::getenv("DDTREE_MLA_VARIANT");
-  return env != nullptr && std::strcmp(env, "decode-shallow") == 0;
-}
+static_assert((KCfg<false>::kSmem > KCfg<true>::kSmem ? KCfg<false>::kSmem : KCfg<true>::kSmem) == kResidentVSmem,
+              "kResidentVSmem (constants.MLA_RESIDENT_V_SMEM) is what the dispatch checks a GPU against");
 
-int mla_pick_variant(int device, int rows, int64_t batch) {
-  const char* env = std::getenv("DDTREE_MLA_VARIANT");
-  if (env != nullptr && std::strcmp(env, "portable") == 0) return kVariantPortable;
-  if (env != nullptr && std::strncmp(env, "decode", 6) == 0) return kVariantDecode;
-  // The decode kernel where a request has few rows. H200, bench/kernel_mla.py --shapes memory-bound / crossover
-  // (2026-12-01): 1.2-2.2x faster than the 64-row kernels at 8-32 rows a request, and at 48-64 rows for one request;
-  // with 64 rows and 8 requests its four 16-row blocks re-reading every KV tile make it 1.3x slower.
-  if (rows <= 32 || (rows <= 64 && batch == 1)) return kVariantDecode;
-  // Resident-V needs ~226 KB of opt-in shared memory (sm_90); sm_80/86/89/120 take the portable path.
-  int optin = 0;
-  if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) optin = 0;
-  const bool fits = optin >= KCfg<false>::kSmem && optin >= KCfg<true>::kSmem;
-  return fits ? kVariantResidentV : kVariantPortable;
-}
-
-int mla_variant_block_n(int variant) {
-  return variant == kVariantDecode ? 16 : variant == kVariantResidentV ? 64 : 32;
-}
-
-void launch_mla_tree_verify(const MlaParams& p, cudaStream_t stream) {
-  if (p.variant == kVariantDecode) {  // its own planner, kernel and combine (mla_decode_verify.cu)
-    launch_mla_decode(p, stream);
-    return;
-  }
-  launch_mla_sched(p, stream);
-  if (p.variant == kVariantResidentV) {  // under auto > 32 rows a request (fewer: decode kernel)
-    if (p.kv_fp8) {
-      launch_main<true>(p, stream);
-    } else {
-      launch_main<false>(p, stream);
-    }
+void launch_mla_resident_v(const MlaParams& p, cudaStream_t stream) {
+  if (p.kv_fp8) {
+    launch_main<true>(p, stream);
   } else {
-    launch_mla_portable_main(p, stream);
+    launch_main<false>(p, stream);
   }
-  dim3 cgrid(p.B, (p.max_q * p.H + 7) / 8);  // launch geometry, fixed under a CUDA graph
-  mla_combine_kernel<<<cgrid, 256, 0, stream>>>(p);
 }
 
 }  // namespace ddtree

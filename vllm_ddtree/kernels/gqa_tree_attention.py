@@ -14,15 +14,16 @@ be captured in a CUDA graph.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-# Largest q_len that uses the tree bitmask; longer requests are causal.
-_TREE_MAX = 64
-_LOG2E = 1.4426950408889634
+from vllm_ddtree import envs
+from vllm_ddtree.constants import LOG2E, MAX_TREE_WIDTH
+
+# Requests of up to MAX_TREE_WIDTH query tokens use the tree bitmask; longer ones (prefill chunks) are causal. The
+# same numbers as the kernels' compile-time constants:
+_TREE_W, _LOG2E = tl.constexpr(MAX_TREE_WIDTH), tl.constexpr(LOG2E)
 
 
 @triton.jit
@@ -68,7 +69,7 @@ def _attend_tile(
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
     if MASKED:
         j = k_pos - tail  # position inside the request's tail (negative: context, always visible)
-        jj = tl.minimum(tl.maximum(j, 0), 63).to(tl.int64)
+        jj = tl.minimum(tl.maximum(j, 0), _TREE_W - 1).to(tl.int64)
         tree_vis = ((bits[:, None] >> jj[None, :]) & 1) != 0
         causal_vis = j[None, :] <= qi[:, None]
         vis = tl.where(is_tree, tree_vis, causal_vis)
@@ -146,7 +147,7 @@ def _gqa_tree_attn_kernel(
         return
     seq_len = tl.load(seq_lens_ptr + b)
     tail = seq_len - q_len
-    is_tree = q_len <= 64
+    is_tree = q_len <= _TREE_W
 
     m = tl.arange(0, BLOCK_M)
     d = tl.arange(0, HEAD_D)
@@ -178,7 +179,7 @@ def _gqa_tree_attn_kernel(
         prev = tl.load(prefix_out_ptr + row[:, None] * s_pt + head[:, None] * s_ph + d[None, :],
                        mask=row_ok[:, None] & seen[:, None], other=0.0)
         acc = prev.to(tl.float32)
-        m_i = tl.where(seen, lse * 1.4426950408889634, float("-inf"))
+        m_i = tl.where(seen, lse * _LOG2E, float("-inf"))
         l_i = tl.where(seen, 1.0, 0.0)
         for t in range(first_masked, num_tiles):
             acc, m_i, l_i = _attend_tile(
@@ -332,7 +333,7 @@ def gqa_tree_attention(
     elif num_splits is None:
         num_splits = _default_num_splits(num_rows, block_q, num_kv_heads, big_tile, query.device)
     # Triton 3.6's interpreter multiplies bf16 dot operands as raw bits: there the dots run on fp32 copies.
-    f32_dot = query.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+    f32_dot = query.dtype == torch.bfloat16 and envs.TRITON_INTERPRET
     dot_prec = "ieee" if query.dtype == torch.float32 or f32_dot else "tf32"
     if num_splits > 1:
         part_out = torch.empty(num_splits, num_rows, num_q_heads, head_d, dtype=torch.float32, device=query.device)
@@ -343,7 +344,7 @@ def gqa_tree_attention(
     pre_lse = prefix_lse if has_prefix else part_lse
     _gqa_tree_attn_kernel[(num_q_tiles, num_kv_heads, num_splits)](
         query, kv_cache, block_table, seq_lens, query_start_loc, tree_bits, out, part_out, part_lse, pre_out,
-        pre_lse, num_reqs, num_rows, scale * _LOG2E,
+        pre_lse, num_reqs, num_rows, scale * LOG2E,
         query.stride(0), query.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         block_table.stride(0), out.stride(0), out.stride(1), pre_out.stride(0), pre_out.stride(1),
         prefix_lse.stride(0) if has_prefix else 0,
@@ -389,7 +390,7 @@ def gqa_tree_attention_ref(
         k = kv[..., :head_d].repeat_interleave(group, 0)  # [Hq, L, D]: keys past L (NaN padding) are cut first
         v = kv[..., head_d:].repeat_interleave(group, 0)
         j = torch.arange(n, device=dev)
-        if n <= _TREE_MAX:
+        if n <= MAX_TREE_WIDTH:
             tail_vis = ((tree_bits[q0:q1].to(dev)[:, None] >> j[None, :]) & 1).bool()  # [n, n]
         else:
             tail_vis = j[None, :] <= j[:, None]

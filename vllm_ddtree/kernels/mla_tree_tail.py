@@ -20,17 +20,17 @@ in each, ~1/8 of a program's work): at batch 1 a 16-node tree of 64 heads is oth
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 
-KV_LORA_RANK = 512
-ROPE_DIM = 64
-MAX_TREE = 64
-_LOG2E = 1.4426950408889634
+from vllm_ddtree import envs
+from vllm_ddtree.constants import LOG2E, MAX_TREE_WIDTH, MLA_HEAD_DIM, MLA_KV_LORA_RANK, MLA_ROPE_DIM
+
+# The same numbers as the kernels' compile-time constants.
+_KV_LORA, _ROPE, _LOG2E = tl.constexpr(MLA_KV_LORA_RANK), tl.constexpr(MLA_ROPE_DIM), tl.constexpr(LOG2E)
 # Launch shape: 64 (query, head) rows per program, latent dims in 64-wide slices, 8 warps. Chosen so that no
 # target spills registers (checked ahead of time for sm_80/90/120 by tests/test_triton_aot.py).
 BLOCK_M, CHUNK, NUM_WARPS = 64, 64, 8
@@ -72,17 +72,17 @@ def _mla_tree_tail_kernel(q_nope_ptr, q_pe_ptr, kv_ptr, bt_ptr, seq_lens_ptr, qs
     # Scores over the 512 latent dims (in CHUNK-wide slices) plus the 64 rope dims, in log2 units.
     c = tl.arange(0, CHUNK)
     s = tl.zeros([BLOCK_M, KEYS], tl.float32)
-    for c0 in range(0, 512, CHUNK):
+    for c0 in range(0, _KV_LORA, CHUNK):
         q = tl.load(q_nope_ptr + token[:, None] * s_qn_t + head[:, None] * s_qn_h + c0 + c[None, :],
                     mask=row_ok[:, None], other=0.0)
         k = tl.load(k_row[:, None] + c0 + c[None, :], mask=k_ok[:, None], other=0.0)
         if F32_DOT:
             q, k = q.to(tl.float32), k.to(tl.float32)
         s += tl.dot(q, tl.trans(k))
-    e = tl.arange(0, 64)
+    e = tl.arange(0, _ROPE)
     q_pe = tl.load(q_pe_ptr + token[:, None] * s_qp_t + head[:, None] * s_qp_h + e[None, :], mask=row_ok[:, None],
                    other=0.0)
-    k_pe = tl.load(k_row[:, None] + 512 + e[None, :], mask=k_ok[:, None], other=0.0)
+    k_pe = tl.load(k_row[:, None] + _KV_LORA + e[None, :], mask=k_ok[:, None], other=0.0)
     p_dtype = k_pe.dtype
     if F32_DOT:
         q_pe, k_pe = q_pe.to(tl.float32), k_pe.to(tl.float32)
@@ -98,14 +98,14 @@ def _mla_tree_tail_kernel(q_nope_ptr, q_pe_ptr, kv_ptr, bt_ptr, seq_lens_ptr, qs
     p = tl.math.exp2(s - m_safe[:, None])
     denom = tl.sum(p, axis=1)
     denom_safe = tl.where(denom == 0.0, 1.0, denom)
-    lse = tl.where(denom == 0.0, float("-inf"), (m_safe + tl.math.log2(denom_safe)) / 1.4426950408889634)
+    lse = tl.where(denom == 0.0, float("-inf"), (m_safe + tl.math.log2(denom_safe)) / _LOG2E)
     tl.store(lse_ptr + token * s_l_t + head, lse, mask=row_ok & (v_part == 0))
 
     p = p.to(p_dtype)  # round P like the cache dtype, as tensor-core attention does
     if F32_DOT:
         p = p.to(tl.float32)
-    for step in range(512 // V_SPLIT // CHUNK):  # a constant trip count, like the unsplit loop
-        d0 = v_part * (512 // V_SPLIT) + step * CHUNK
+    for step in range(_KV_LORA // V_SPLIT // CHUNK):  # a constant trip count, like the unsplit loop
+        d0 = v_part * (_KV_LORA // V_SPLIT) + step * CHUNK
         v = tl.load(k_row[:, None] + d0 + c[None, :], mask=k_ok[:, None], other=0.0)
         if F32_DOT:
             v = v.to(tl.float32)
@@ -135,10 +135,12 @@ def mla_tree_tail(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tens
     host reads (CUDA graphs). ``v_split`` (output parts per row tile, one of ``V_SPLITS``) defaults to
     ``output_parts`` of the grid."""
     num_reqs, num_heads = seq_lens.shape[0], q_nope.shape[1]
-    if not 1 <= max_query_len <= MAX_TREE:
-        raise ValueError(f"mla_tree_tail handles rows of 1..{MAX_TREE} tokens, got max_query_len={max_query_len}")
-    if kv_cache.dim() != 3 or kv_cache.shape[-1] != KV_LORA_RANK + ROPE_DIM or kv_cache.stride(-1) != 1:
-        raise ValueError(f"kv_cache must be [blocks, page, 576], last dim contiguous; got {tuple(kv_cache.shape)}")
+    if not 1 <= max_query_len <= MAX_TREE_WIDTH:
+        raise ValueError(f"mla_tree_tail handles rows of 1..{MAX_TREE_WIDTH} tokens, got max_query_len "
+                         f"{max_query_len}")
+    if kv_cache.dim() != 3 or kv_cache.shape[-1] != MLA_HEAD_DIM or kv_cache.stride(-1) != 1:
+        raise ValueError(f"kv_cache must be [blocks, page, {MLA_HEAD_DIM}], last dim contiguous; got "
+                         f"{tuple(kv_cache.shape)}")
     if num_reqs == 0 or q_nope.shape[0] == 0:
         return
     tiles = triton.cdiv(max_query_len * num_heads, BLOCK_M)
@@ -148,10 +150,10 @@ def mla_tree_tail(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tens
         raise ValueError(f"v_split must be one of {V_SPLITS}, got {v_split}")
     _mla_tree_tail_kernel[(num_reqs, tiles, v_split)](
         q_nope, q_pe, kv_cache, block_table, seq_lens, query_start_loc, tree_bits, out, lse,
-        softmax_scale * _LOG2E, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
+        softmax_scale * LOG2E, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0), out.stride(0), out.stride(1), lse.stride(0),
         NUM_HEADS=num_heads, PAGE=kv_cache.shape[1], BLOCK_M=BLOCK_M, KEYS=keys, CHUNK=CHUNK, V_SPLIT=v_split,
-        F32_DOT=os.environ.get("TRITON_INTERPRET") == "1", num_warps=NUM_WARPS,
+        F32_DOT=envs.TRITON_INTERPRET, num_warps=NUM_WARPS,
     )  # fmt: skip
 
 
@@ -182,7 +184,7 @@ def _merge_context_kernel(context_out_ptr, context_lse_ptr, tree_out_ptr, tree_l
     total_safe = tl.where(total == 0.0, 1.0, total)
     tl.store(lse_ptr + token * s_l_t + head, tl.where(total == 0.0, float("-inf"), m_safe + tl.log(total_safe)),
              mask=row_ok)
-    d = tl.arange(0, 512)  # the latent width, KV_LORA_RANK
+    d = tl.arange(0, _KV_LORA)
     c_out = tl.load(context_out_ptr + b * s_co_b + qi[:, None] * s_co_q + head[:, None] * s_co_h + d[None, :],
                     mask=row_ok[:, None] & seen[:, None], other=0.0)
     t_out = tl.load(tree_out_ptr + token[:, None] * s_to_t + head[:, None] * s_to_h + d[None, :],
@@ -238,19 +240,19 @@ def pack_context_query(q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Ten
     ``rows[i]`` when ``rows`` is given (the gather into FlashMLA's uniform layout), in one launch. vLLM hands the
     absorbed ``q_nope`` as a head-major view transposed to ``[T, H, 512]``, which ``torch.cat`` copied at about a
     sixth of the copy rate (194 us a layer for 1,024 tokens x 64 heads on the H200, 9 % of that verify step)."""
-    if q_nope.shape[:2] != q_pe.shape[:2] or q_nope.shape[2] != KV_LORA_RANK or q_pe.shape[2] != ROPE_DIM:
-        raise ValueError(f"q_nope [T, H, {KV_LORA_RANK}] and q_pe [T, H, {ROPE_DIM}] expected, got "
+    if q_nope.shape[:2] != q_pe.shape[:2] or q_nope.shape[2] != MLA_KV_LORA_RANK or q_pe.shape[2] != MLA_ROPE_DIM:
+        raise ValueError(f"q_nope [T, H, {MLA_KV_LORA_RANK}] and q_pe [T, H, {MLA_ROPE_DIM}] expected, got "
                          f"{tuple(q_nope.shape)} and {tuple(q_pe.shape)}")  # fmt: skip
     q_nope = q_nope if q_nope.stride(-1) == 1 else q_nope.contiguous()
     q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
     num_rows, num_heads = (q_nope.shape[0] if rows is None else rows.shape[0]), q_nope.shape[1]
-    out = q_nope.new_empty(num_rows, num_heads, KV_LORA_RANK + ROPE_DIM)
+    out = q_nope.new_empty(num_rows, num_heads, MLA_HEAD_DIM)
     if num_rows == 0 or num_heads == 0:
         return out
     _pack_query_kernel[(num_rows, triton.cdiv(num_heads, PACK_HEADS))](
         q_nope, q_pe, q_nope if rows is None else rows, out, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0),
-        q_pe.stride(1), out.stride(0), out.stride(1), num_heads, NOPE=KV_LORA_RANK, ROPE=ROPE_DIM, HEADS=PACK_HEADS,
-        GATHER=rows is not None, num_warps=PACK_WARPS,
+        q_pe.stride(1), out.stride(0), out.stride(1), num_heads, NOPE=MLA_KV_LORA_RANK, ROPE=MLA_ROPE_DIM,
+        HEADS=PACK_HEADS, GATHER=rows is not None, num_warps=PACK_WARPS,
     )  # fmt: skip
     return out
 
@@ -289,7 +291,7 @@ def mla_context_reference(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: to
     reports it; padded query slots stay 0 / +inf)."""
     num_reqs, num_heads = context_lens.shape[0], q_nope.shape[1]
     page = kv_cache.shape[1]
-    out = torch.zeros(num_reqs, max_query_len, num_heads, KV_LORA_RANK, dtype=torch.float32)
+    out = torch.zeros(num_reqs, max_query_len, num_heads, MLA_KV_LORA_RANK, dtype=torch.float32)
     lse = torch.full((num_reqs, num_heads, max_query_len), float("inf"))
     qsl = query_start_loc.tolist()
     for b in range(num_reqs):
@@ -297,10 +299,10 @@ def mla_context_reference(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: to
         if n == 0 or ctx == 0:
             continue
         pages = block_table[b, : -(-ctx // page)].long()
-        kv = kv_cache[pages].reshape(-1, KV_LORA_RANK + ROPE_DIM)[:ctx].float()
+        kv = kv_cache[pages].reshape(-1, MLA_HEAD_DIM)[:ctx].float()
         q = torch.cat([q_nope[qsl[b] : qsl[b + 1]], q_pe[qsl[b] : qsl[b + 1]]], -1).float()  # [n, H, 576]
         s = torch.einsum("nhd,kd->nhk", q, kv) * softmax_scale
         row_lse = torch.logsumexp(s, -1)
-        out[b, :n] = torch.einsum("nhk,kd->nhd", torch.exp(s - row_lse[..., None]), kv[:, :KV_LORA_RANK])
+        out[b, :n] = torch.einsum("nhk,kd->nhd", torch.exp(s - row_lse[..., None]), kv[:, :MLA_KV_LORA_RANK])
         lse[b, :, :n] = row_lse.T
     return out, lse

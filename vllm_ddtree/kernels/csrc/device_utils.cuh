@@ -1,4 +1,4 @@
-// Device helpers shared by the MLA kernels (mla_tree_verify.cu, mla_decode_verify.cu): cp.async, ldmatrix,
+// Device helpers shared by the MLA kernels (variants/resident_v.cu, variants/decode.cu): cp.async, ldmatrix,
 // mma.sync m16n8k16 bf16, exp2, bf16 packing, the 128-byte XOR swizzle and the e4m3 -> bf16 widening.
 // Only instructions that exist on sm_80, sm_90 and sm_120 (no wgmma / TMA / tcgen05).
 #pragma once

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from vllm_ddtree.constants import MLA_HEAD_DIM, MLA_KV_LORA_RANK
+
 
 def mla_tree_verify_ref(
     q_nope: torch.Tensor,
@@ -28,7 +30,7 @@ def mla_tree_verify_ref(
     dev = q_nope.device
     fp8 = kv_cache.dtype in (torch.uint8, torch.float8_e4m3fn)
     P = kv_cache.shape[1]
-    out = torch.full((T, H, 512), float("nan"), dtype=torch.float32, device=dev)
+    out = torch.full((T, H, MLA_KV_LORA_RANK), float("nan"), dtype=torch.float32, device=dev)
     lse = torch.full((T, H), float("nan"), dtype=torch.float32, device=dev)
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -39,9 +41,10 @@ def mla_tree_verify_ref(
             continue
         nblk = -(-L // P)
         pages = block_table[b, :nblk].long()
-        kv = kv_cache[pages].reshape(-1, 576)[:L]  # gather first: keys past L (NaN padding) never enter the math
+        # gather first: keys past L (NaN padding) never enter the math
+        kv = kv_cache[pages].reshape(-1, MLA_HEAD_DIM)[:L]
         kv = (kv.view(torch.float8_e4m3fn) if fp8 else kv).float() * kv_scale  # [L, 576]
-        q = torch.cat([q_nope[q0:q1], q_pe[q0:q1]], -1).float().reshape(n * H, 576)
+        q = torch.cat([q_nope[q0:q1], q_pe[q0:q1]], -1).float().reshape(n * H, MLA_HEAD_DIM)
         bits = tree_bits[q0:q1].to(dev)
         j = torch.arange(n, device=dev)
         tree_vis = ((bits[:, None] >> j[None, :]) & 1).bool()  # [n, n]
@@ -52,8 +55,8 @@ def mla_tree_verify_ref(
             node = torch.arange(r0, r1, device=dev) // H
             s[:, L - n :] = s[:, L - n :].masked_fill(~tree_vis[node], float("-inf"))
             lse_c = torch.logsumexp(s, -1)
-            o_rows.append(torch.exp(s - lse_c[:, None]) @ kv[:, :512])
+            o_rows.append(torch.exp(s - lse_c[:, None]) @ kv[:, :MLA_KV_LORA_RANK])
             l_rows.append(lse_c)
-        out[q0:q1] = torch.cat(o_rows).reshape(n, H, 512)
+        out[q0:q1] = torch.cat(o_rows).reshape(n, H, MLA_KV_LORA_RANK)
         lse[q0:q1] = torch.cat(l_rows).reshape(n, H)
     return out, lse
