@@ -310,7 +310,8 @@ def main() -> None:
                            gemm_tflops=round(gemm, 1),
                            mma_sync_tflops=round(mma_sync, 1), rotate=args.rotate,
                            shapes=args.shapes, method="CUDA-graph replay, median over reps, per call",
-                           csrc=repo_path(envs.VLLM_DDTREE_CSRC) if envs.VLLM_DDTREE_CSRC else "package", rows=rows), f, indent=1)
+                           csrc=repo_path(envs.VLLM_DDTREE_CSRC) if envs.VLLM_DDTREE_CSRC else "package",
+                           rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -35,3 +35,12 @@ def test_cpu_runner_installs_the_replacement() -> None:
     cpu_kernels.apply()
     assert cpu_triton_utils.expand_kernel[(4,)] is expand_per_request
     assert hasattr(cpu_triton_utils, "_orig_expand_kernel")
+
+
+def test_tree_summary_reads_vllm_positions_as_path_depths() -> None:
+    from vllm_ddtree.config import DDTreeConfig
+    from vllm_ddtree.patches.metrics import tree_summary
+
+    line = tree_summary(4, 6, [[2, 1, 0], [2, 1, 0]], DDTreeConfig(budget=15, topk=8, max_depth=3))
+    assert line.startswith("DDTree: 2.50 tokens per verify step over 4 trees of 15 nodes")
+    assert "depth 1..3: 1.000, 0.500, 0.000" in line

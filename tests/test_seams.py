@@ -15,6 +15,7 @@ EXPECTED_SEAMS = {
     "vllm.engine.arg_utils.EngineArgs.create_speculative_config",
     "vllm.config.speculative.SpeculativeConfig.max_num_new_slots_for_drafting",
     "vllm.utils.cpu_triton_utils.expand_kernel",
+    "vllm.v1.spec_decode.metrics.SpecDecodingLogging.log",
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner.__init__",
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner._prepare_inputs",
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner._bookkeeping_sync",

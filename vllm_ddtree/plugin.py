@@ -55,11 +55,35 @@ def register() -> None:
     envs.check_environ()
 
     config_patches.apply()
+    _say_config_errors_last()
     if current_platform.is_cpu():
         _register_cpu()
     elif current_platform.is_cuda():
         _register_cuda()
     _state["registered"] = True
+
+
+def _say_config_errors_last() -> None:
+    """A DDTree config error ends the process after vLLM's long traceback; repeat its one sentence after it, so the
+    fix is the last thing on the screen (the traceback itself stays, for bug reports)."""
+    import sys
+
+    from vllm_ddtree.config import DDTreeConfigError
+
+    previous = sys.excepthook
+    if getattr(previous, "ddtree", False):
+        return
+
+    def hook(kind: type[BaseException], error: BaseException, tb: object) -> None:
+        previous(kind, error, tb)
+        cause: BaseException | None = error
+        while cause is not None and not isinstance(cause, DDTreeConfigError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is not None:
+            print(f"\nvllm-ddtree: {cause}\n", file=sys.stderr)
+
+    hook.ddtree = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
 
 
 def _register_cpu() -> None:

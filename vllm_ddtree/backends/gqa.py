@@ -25,8 +25,8 @@ from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionMetadataBuilder,
 )
 
-from vllm_ddtree.tree_mask import current_tree_masks
 from vllm_ddtree.kernels import gqa_tree_attention
+from vllm_ddtree.tree_mask import current_tree_masks
 
 
 def flash_attention_version() -> int | None:

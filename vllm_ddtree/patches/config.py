@@ -24,7 +24,7 @@ from vllm_ddtree.config import (
     resolve_ddtree_config,
     split_speculative_config,
 )
-from vllm_ddtree.patches import patch_attr
+from vllm_ddtree.patches import metrics, patch_attr
 
 logger = logging.getLogger("vllm.ddtree")  # under "vllm": vLLM's log handlers print it
 
@@ -147,6 +147,7 @@ def create_speculative_config(self: Any, target_model_config: Any, target_parall
     draft_hf = spec_config.draft_model_config.hf_config if spec_config.draft_model_config else None
     spec_config.ddtree = resolve_ddtree_config(request, drafter_block_size(draft_hf))
     ddtree = spec_config.ddtree
+    metrics.note_ddtree(ddtree)
     logger.info(
         "DDTree speculative decoding is on: trees of %d nodes (top-%d per depth, depth <= %d) drafted by the DFlash "
         "drafter %s; vLLM's own logs call the method 'dflash' and count every tree node as a draft token.",
@@ -172,3 +173,4 @@ def apply() -> None:
 
     patch_attr(EngineArgs, "create_speculative_config", create_speculative_config)
     patch_attr(SpeculativeConfig, "max_num_new_slots_for_drafting", property(_max_num_new_slots_for_drafting))
+    metrics.apply()
