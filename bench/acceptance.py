@@ -63,12 +63,17 @@ def engine_kwargs(gpu: bool, max_batch: int, sizes: list[int]) -> dict:
     """Every decode batch of 1..max_batch requests gets a FULL graph for its verify and its drafter step (``sizes``:
     ``full_graph_sizes``). vLLM's default capture sizes stop at 512 tokens, so budget 63 at batch 16 would verify
     eagerly."""
-    common = dict(max_model_len=512, max_num_seqs=max_batch, seed=0, disable_log_stats=False,
-                  enable_prefix_caching=False)  # the timed pass prefills like the warm-up pass did
+    common = dict(
+        max_model_len=512, max_num_seqs=max_batch, seed=0, disable_log_stats=False, enable_prefix_caching=False
+    )  # the timed pass prefills like the warm-up pass did
     if not gpu:
         return dict(common, dtype="float32", max_num_batched_tokens=512)
-    return dict(common, dtype="bfloat16", gpu_memory_utilization=0.1,
-                compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": sizes})
+    return dict(
+        common,
+        dtype="bfloat16",
+        gpu_memory_utilization=0.1,
+        compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": sizes},
+    )
 
 
 def _drafter_block(drafter: str) -> int:
@@ -111,8 +116,12 @@ def run_one(args: argparse.Namespace) -> None:
     target, drafter = (str(ROOT / "models" / name) for name in PAIRS[args.pair])
     spec = None
     if args.method != "none":
-        spec = {"method": args.method, "model": drafter, "num_speculative_tokens": args.budget,
-                "draft_load_config": {"load_format": "safetensors"}}  # fmt: skip
+        spec = {
+            "method": args.method,
+            "model": drafter,
+            "num_speculative_tokens": args.budget,
+            "draft_load_config": {"load_format": "safetensors"},
+        }
     method = None if args.method == "none" else args.method
     sizes = full_graph_sizes(range(1, max(args.batches) + 1), method, args.budget, _drafter_block(drafter))
     llm = LLM(model=target, speculative_config=spec, **engine_kwargs(gpu, max(args.batches), sizes))
@@ -136,12 +145,21 @@ def run_one(args: argparse.Namespace) -> None:
         accepted = after.get("vllm:spec_decode_num_accepted_tokens", 0) - before.get(
             "vllm:spec_decode_num_accepted_tokens", 0
         )
-        row = {"pair": args.pair, "method": args.method, "budget": args.budget, "batch": batch,
-               "device": torch.cuda.get_device_name() if gpu else "cpu", "dtype": "bfloat16" if gpu else "float32",
-               "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else 1.0,
-               "tok_per_s": round(len(tokens) * args.max_tokens / wall, 1), "wall_s": [round(w, 3) for w in walls],
-               "verify_graph_replays": probes.verify, "draft_graph_replays": probes.draft,
-               "tokens": tokens, "gaps": gaps}  # fmt: skip
+        row = {
+            "pair": args.pair,
+            "method": args.method,
+            "budget": args.budget,
+            "batch": batch,
+            "device": torch.cuda.get_device_name() if gpu else "cpu",
+            "dtype": "bfloat16" if gpu else "float32",
+            "mean_acceptance_length": round(1 + accepted / drafts, 3) if drafts else 1.0,
+            "tok_per_s": round(len(tokens) * args.max_tokens / wall, 1),
+            "wall_s": [round(w, 3) for w in walls],
+            "verify_graph_replays": probes.verify,
+            "draft_graph_replays": probes.draft,
+            "tokens": tokens,
+            "gaps": gaps,
+        }
         print("RESULT " + json.dumps(row), flush=True)
     shut_down(llm)
 
@@ -194,29 +212,56 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for pair in args.pairs:
         for method, budget in configs:
-            cmd = [sys.executable, __file__, "--one", pair, method, str(budget), "--prompts", str(args.prompts),
-                   "--max-tokens", str(args.max_tokens), "--passes", str(args.passes),
-                   "--batches", *map(str, args.batches)]  # fmt: skip
+            cmd = [
+                sys.executable,
+                __file__,
+                "--one",
+                pair,
+                method,
+                str(budget),
+                "--prompts",
+                str(args.prompts),
+                "--max-tokens",
+                str(args.max_tokens),
+                "--passes",
+                str(args.passes),
+                "--batches",
+                *map(str, args.batches),
+            ]
             env = dict(os.environ, **engine_process_env(inline=False), HF_HUB_OFFLINE="1")
             for row in result_rows(cmd, f"{pair} {method} {budget}", env):
                 rows.append(row)
                 _write(args, rows)
     table = _write(args, rows)
-    print(f"{'pair':4} {'config':7} {'budget':>6} {'batch':>5} {'accept len':>10} {'tok/s':>9} {'vs chain':>8} "
-          f"{'vs none':>7} {'== target':>9} {'near-tie':>8} {'elsewhere':>9}")  # fmt: skip
+    print(
+        f"{'pair':4} {'config':7} {'budget':>6} {'batch':>5} {'accept len':>10} {'tok/s':>9} {'vs chain':>8} "
+        f"{'vs none':>7} {'== target':>9} {'near-tie':>8} {'elsewhere':>9}"
+    )
     for r in table:
-        print(f"{r['pair']:4} {r['method']:7} {r['budget']:>6} {r['batch']:>5} {r['mean_acceptance_length']:>10.3f} "
-              f"{r['tok_per_s']:>9.1f} {r.get('vs_chain', ''):>8} {r.get('vs_no_spec', ''):>7} "
-              f"{r.get('equal_to_target', ''):>9} {r.get('diverge_at_near_ties', ''):>8} "
-              f"{r.get('diverge_elsewhere', ''):>9}")  # fmt: skip
+        print(
+            f"{r['pair']:4} {r['method']:7} {r['budget']:>6} {r['batch']:>5} {r['mean_acceptance_length']:>10.3f} "
+            f"{r['tok_per_s']:>9.1f} {r.get('vs_chain', ''):>8} {r.get('vs_no_spec', ''):>7} "
+            f"{r.get('equal_to_target', ''):>9} {r.get('diverge_at_near_ties', ''):>8} "
+            f"{r.get('diverge_elsewhere', ''):>9}"
+        )
 
 
 def _write(args: argparse.Namespace, rows: list[dict]) -> list[dict]:
     table = summarize(rows)
-    args.out.write_text(json.dumps({"meta": run_meta(), "prompts": args.prompts, "prompt_len": 64,
-                                    "max_tokens": args.max_tokens,
-                                    "graphs": "FULL_DECODE_ONLY on GPUs, no torch.compile", "rows": table},
-                                   indent=1) + "\n")  # fmt: skip
+    args.out.write_text(
+        json.dumps(
+            {
+                "meta": run_meta(),
+                "prompts": args.prompts,
+                "prompt_len": 64,
+                "max_tokens": args.max_tokens,
+                "graphs": "FULL_DECODE_ONLY on GPUs, no torch.compile",
+                "rows": table,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     return table
 
 

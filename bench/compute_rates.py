@@ -69,8 +69,23 @@ def build_rate_library(arch: str, cache: Path | None = None) -> Path:
     lib = cache / f"mma_sync_rate_{arch}_{key}.so"
     if not lib.is_file():
         tmp = lib.with_suffix(".tmp.so")
-        subprocess.run([nvcc, "-O3", "-shared", "-Xcompiler", "-fPIC", f"-gencode=arch=compute_{arch},code=sm_{arch}",
-                        f"-I{include}", str(SOURCE), "-o", str(tmp)], check=True, capture_output=True, text=True)
+        subprocess.run(
+            [
+                nvcc,
+                "-O3",
+                "-shared",
+                "-Xcompiler",
+                "-fPIC",
+                f"-gencode=arch=compute_{arch},code=sm_{arch}",
+                f"-I{include}",
+                str(SOURCE),
+                "-o",
+                str(tmp),
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         tmp.replace(lib)
     return lib
 
@@ -80,8 +95,13 @@ def mma_sync_rates(device: int = 0) -> list[dict]:
     major, minor = torch.cuda.get_device_capability(device)
     lib = ctypes.CDLL(str(build_rate_library(f"{major}{minor}")))
     fn = lib.mma_sync_rate
-    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_double),
-                   ctypes.POINTER(ctypes.c_double)]
+    fn.argtypes = [
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.POINTER(ctypes.c_double),
+        ctypes.POINTER(ctypes.c_double),
+    ]
     clock_mhz = lib.max_clock_khz(device) / 1e3
     rows = []
     for warps in (1, 2):
@@ -90,9 +110,15 @@ def mma_sync_rates(device: int = 0) -> list[dict]:
             err = fn(device, warps, chains, ctypes.byref(tf), ctypes.byref(ns))
             if err:
                 raise RuntimeError(f"mma_sync_rate(warps={warps}, chains={chains}) failed with CUDA error {err}")
-            rows.append(dict(warps_per_smsp=warps, chains=chains, tflops=round(tf.value, 1),
-                             ns_per_mma=round(ns.value, 2),
-                             clk_per_mma_at_max_clock=round(ns.value * clock_mhz / 1e3, 1)))
+            rows.append(
+                dict(
+                    warps_per_smsp=warps,
+                    chains=chains,
+                    tflops=round(tf.value, 1),
+                    ns_per_mma=round(ns.value, 2),
+                    clk_per_mma_at_max_clock=round(ns.value * clock_mhz / 1e3, 1),
+                )
+            )
     return rows
 
 
@@ -109,16 +135,22 @@ def main() -> None:
     gemm = gemm_tflops()
     rows = mma_sync_rates()
     print(f"{torch.cuda.get_device_name()}: dense bf16 GEMM (torch) {gemm:.0f} TFLOP/s")
-    print(f"{'warps/SMSP':>10} {'chains':>6} {'TFLOP/s':>8} {'ns/mma':>7} {'clk/mma':>7}"
-          "   (mma.sync m16n8k16 bf16->fp32)")
+    print(
+        f"{'warps/SMSP':>10} {'chains':>6} {'TFLOP/s':>8} {'ns/mma':>7} {'clk/mma':>7}   (mma.sync m16n8k16 bf16->fp32)"
+    )
     for r in rows:
-        print(f"{r['warps_per_smsp']:>10} {r['chains']:>6} {r['tflops']:>8.1f} {r['ns_per_mma']:>7.2f} "
-              f"{r['clk_per_mma_at_max_clock']:>7.1f}")
+        print(
+            f"{r['warps_per_smsp']:>10} {r['chains']:>6} {r['tflops']:>8.1f} {r['ns_per_mma']:>7.2f} "
+            f"{r['clk_per_mma_at_max_clock']:>7.1f}"
+        )
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump(dict(meta=run_meta(), device=torch.cuda.get_device_name(), gemm_tflops=round(gemm, 1),
-                           mma_sync=rows), f, indent=1)
+            json.dump(
+                dict(meta=run_meta(), device=torch.cuda.get_device_name(), gemm_tflops=round(gemm, 1), mma_sync=rows),
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

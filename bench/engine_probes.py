@@ -16,8 +16,11 @@ from typing import Any, NamedTuple
 def engine_process_env(inline: bool) -> dict[str, str]:
     """Environment for an engine whose worker the probes can reach (set before vLLM builds the engine). The engine
     process is spawned, not forked: the bench has touched CUDA by then, and a forked child cannot use it."""
-    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if inline else "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
-            "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    return {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if inline else "1",
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+        "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+    }
 
 
 def full_graph_sizes(batches: Iterable[int], method: str | None, budget: int, drafter_block: int) -> list[int]:
@@ -89,17 +92,25 @@ def install_probes(worker: Any) -> None:
 
     runner = worker.model_runner
     speculator = getattr(runner, "speculator", None)
-    worker.ddtree_probes = (StepClock(runner), ReplayCounter(getattr(runner, "cudagraph_manager", None)),
-                            ReplayCounter(getattr(speculator, "query_cudagraph_manager", None)),
-                            getattr(speculator, "context_kv_graphs", None),
-                            getattr(speculator, "combine_graphs", None))  # fmt: skip
+    worker.ddtree_probes = (
+        StepClock(runner),
+        ReplayCounter(getattr(runner, "cudagraph_manager", None)),
+        ReplayCounter(getattr(speculator, "query_cudagraph_manager", None)),
+        getattr(speculator, "context_kv_graphs", None),
+        getattr(speculator, "combine_graphs", None),
+    )
 
 
 def read_probes(worker: Any) -> ProbeReading:
     """Steps and graph replays since the last read, which resets them."""
     clock, verify, draft, *graphs = worker.ddtree_probes
-    read = ProbeReading(list(clock.starts), list(clock.busy), verify.count, draft.count,
-                        *(g.replays if g is not None else 0 for g in graphs))  # fmt: skip
+    read = ProbeReading(
+        list(clock.starts),
+        list(clock.busy),
+        verify.count,
+        draft.count,
+        *(g.replays if g is not None else 0 for g in graphs),
+    )
     clock.starts.clear()
     clock.busy.clear()
     verify.count = draft.count = 0
@@ -145,8 +156,11 @@ def stop_profiler(worker: Any, trace: str | None = None) -> str:
         if event.device_type == torch.autograd.DeviceType.CUDA:
             calls.setdefault(event.name, []).append(event.time_range.elapsed_us())
     top = sorted(calls.items(), key=lambda item: -sum(item[1]))[:12]
-    lines = [f"{sum(us):10.0f} us {len(us):5d} calls  min/median/max {min(us):8.1f} {statistics.median(us):8.1f} "
-             f"{max(us):8.1f}  {name}" for name, us in top]  # fmt: skip
+    lines = [
+        f"{sum(us):10.0f} us {len(us):5d} calls  min/median/max {min(us):8.1f} {statistics.median(us):8.1f} "
+        f"{max(us):8.1f}  {name}"
+        for name, us in top
+    ]
     averages = prof.key_averages()
     tables = [averages.table(sort_by=key, row_limit=40) for key in ("self_cuda_time_total", "cpu_time_total")]
     return "\n".join([*tables, *lines]) + "\n"
@@ -160,8 +174,11 @@ def python_time_by_function(trace: str, top: int = 80) -> str:
     from pathlib import Path
 
     path = Path(trace)
-    events = [e for e in json.loads(path.read_text())["traceEvents"]
-              if e.get("cat") == "python_function" and e.get("ph") == "X"]  # fmt: skip
+    events = [
+        e
+        for e in json.loads(path.read_text())["traceEvents"]
+        if e.get("cat") == "python_function" and e.get("ph") == "X"
+    ]
     path.unlink()
     inclusive: dict[str, float] = {}
     own: dict[str, float] = {}
@@ -182,6 +199,8 @@ def python_time_by_function(trace: str, top: int = 80) -> str:
                 own[stack[-1]["name"]] -= event["dur"]
             stack.append(event)
     wanted = [n for n in inclusive if "vllm" in n or "ddtree" in n or "cuda/graphs" in n]
-    lines = [f"{inclusive[n] / 1e3:10.2f} ms {own[n] / 1e3:9.2f} ms self {calls[n]:6d} calls  {n}"
-             for n in sorted(wanted, key=lambda n: -inclusive[n])[:top]]  # fmt: skip
+    lines = [
+        f"{inclusive[n] / 1e3:10.2f} ms {own[n] / 1e3:9.2f} ms self {calls[n]:6d} calls  {n}"
+        for n in sorted(wanted, key=lambda n: -inclusive[n])[:top]
+    ]
     return "Python functions (with_stack trace), inclusive / self host time:\n" + "\n".join(lines) + "\n"

@@ -31,8 +31,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernel_mla import graph_time_us, random_tree_bits  # noqa: E402
 from meta import run_meta  # noqa: E402
 
-TAIL_SHAPES = [(1, 64, 9), (1, 64, 17), (1, 64, 33), (1, 64, 64), (16, 64, 9), (16, 64, 17), (16, 64, 33),
-               (16, 64, 64), (8, 64, 16), (32, 16, 16), (1, 128, 16)]  # fmt: skip
+TAIL_SHAPES = [
+    (1, 64, 9),
+    (1, 64, 17),
+    (1, 64, 33),
+    (1, 64, 64),
+    (16, 64, 9),
+    (16, 64, 17),
+    (16, 64, 33),
+    (16, 64, 64),
+    (8, 64, 16),
+    (32, 16, 16),
+    (1, 128, 16),
+]
 TOPK_BATCHES = [1, 8, 16, 32, 64]
 SLICES = [4096, 8192, 16384, 32768]
 VOCAB = 163840
@@ -95,8 +106,12 @@ def topk_rows(reps: int) -> list[dict]:
         draft_topk.MIN_SLICE = default
         row["best_slice"] = min(SLICES, key=lambda s: row[f"us_slice_{s}"])
         rows.append(row)
-        print(f"topk batch {batch:>3} ({batch * DEPTH} rows)  " + "  ".join(f"{s}: {row[f'us_slice_{s}']:7.2f}" for s in
-              SLICES) + f"  us   default {default}, best {row['best_slice']}", flush=True)  # fmt: skip
+        print(
+            f"topk batch {batch:>3} ({batch * DEPTH} rows)  "
+            + "  ".join(f"{s}: {row[f'us_slice_{s}']:7.2f}" for s in SLICES)
+            + f"  us   default {default}, best {row['best_slice']}",
+            flush=True,
+        )
     return rows
 
 
@@ -122,20 +137,50 @@ def drafter_attention_rows(reps: int, page: int = 64) -> list[dict]:
             seqused = torch.full((batch,), context + nq, dtype=torch.int32, device="cuda")
             row = dict(batch=batch, context=context, queries=nq)
             for splits in FA_SPLITS:
-                sched = None if splits else get_scheduler_metadata(
-                    batch_size=batch, max_seqlen_q=nq, max_seqlen_k=context + nq, num_heads_q=32, num_heads_kv=8,
-                    headdim=128, cache_seqlens=seqused, qkv_dtype=torch.bfloat16, cu_seqlens_q=cu_q, page_size=page,
-                    causal=False, num_splits=32,
-                )  # fmt: skip
+                sched = (
+                    None
+                    if splits
+                    else get_scheduler_metadata(
+                        batch_size=batch,
+                        max_seqlen_q=nq,
+                        max_seqlen_k=context + nq,
+                        num_heads_q=32,
+                        num_heads_kv=8,
+                        headdim=128,
+                        cache_seqlens=seqused,
+                        qkv_dtype=torch.bfloat16,
+                        cu_seqlens_q=cu_q,
+                        page_size=page,
+                        causal=False,
+                        num_splits=32,
+                    )
+                )
 
-                run = partial(flash_attn_varlen_func, q=q, k=k, v=v, out=out, cu_seqlens_q=cu_q, max_seqlen_q=nq,
-                              seqused_k=seqused, max_seqlen_k=context + nq, softmax_scale=128**-0.5, causal=False,
-                              block_table=table, scheduler_metadata=sched, num_splits=splits or 32,
-                              fa_version=3)  # fmt: skip
+                run = partial(
+                    flash_attn_varlen_func,
+                    q=q,
+                    k=k,
+                    v=v,
+                    out=out,
+                    cu_seqlens_q=cu_q,
+                    max_seqlen_q=nq,
+                    seqused_k=seqused,
+                    max_seqlen_k=context + nq,
+                    softmax_scale=128**-0.5,
+                    causal=False,
+                    block_table=table,
+                    scheduler_metadata=sched,
+                    num_splits=splits or 32,
+                    fa_version=3,
+                )
                 row[f"us_splits_{splits or 'vllm'}"] = round(graph_time_us(run, reps, 1), 2)
             rows.append(row)
-            print(f"drafter FA3 B={batch:>2} ctx={context:>6} q={nq}  " + "  ".join(
-                f"{key[10:]}: {val:8.2f}" for key, val in row.items() if key.startswith("us_")) + "  us", flush=True)
+            print(
+                f"drafter FA3 B={batch:>2} ctx={context:>6} q={nq}  "
+                + "  ".join(f"{key[10:]}: {val:8.2f}" for key, val in row.items() if key.startswith("us_"))
+                + "  us",
+                flush=True,
+            )
     return rows
 
 
@@ -144,8 +189,9 @@ def main() -> None:
     ap.add_argument("--out", default="")
     ap.add_argument("--reps", type=int, default=30)
     args = ap.parse_args()
-    result: dict = dict(meta=run_meta(), device=torch.cuda.get_device_name(),
-                        method="CUDA-graph replay, median over reps, per call")
+    result: dict = dict(
+        meta=run_meta(), device=torch.cuda.get_device_name(), method="CUDA-graph replay, median over reps, per call"
+    )
     for name, sweep in (("tail", tail_rows), ("topk", topk_rows), ("drafter_attention", drafter_attention_rows)):
         try:
             result[name] = sweep(args.reps)

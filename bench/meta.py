@@ -74,8 +74,12 @@ def gpu_name() -> str:
         return "none"
     index = (visible or "0").split(",")[0].strip()
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", index],
-                             capture_output=True, text=True, timeout=20)  # fmt: skip
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", index],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
     except FileNotFoundError:
         return "none"
     except (OSError, subprocess.SubprocessError):

@@ -30,14 +30,22 @@ class ChildDied(RuntimeError):
 class Child:
     """One engine process: send a command, read its answer."""
 
-    def __init__(self, cmd: Sequence[str], label: str, log: Path | None = None, cpus: frozenset[int] | None = None
-                 ) -> None:
+    def __init__(
+        self, cmd: Sequence[str], label: str, log: Path | None = None, cpus: frozenset[int] | None = None
+    ) -> None:
         self.label = label
         self._log = log
         self._err: IO[str] = open(log, "w+") if log else tempfile.TemporaryFile(mode="w+")
         pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None  # inherited by the engine core process
-        self._proc = subprocess.Popen(list(cmd), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err,
-                                      text=True, bufsize=1, preexec_fn=pin)  # fmt: skip
+        self._proc = subprocess.Popen(
+            list(cmd),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._err,
+            text=True,
+            bufsize=1,
+            preexec_fn=pin,
+        )
         self._answer("READY")
 
     def ask(self, command: str) -> str:
@@ -91,8 +99,9 @@ def interleaved_rows(children: Sequence[Child], cells: Sequence[tuple[int, int]]
     return rows
 
 
-def core_sets(count: int, allowed: set[int] | None = None, siblings: dict[int, set[int]] | None = None
-              ) -> list[frozenset[int]]:
+def core_sets(
+    count: int, allowed: set[int] | None = None, siblings: dict[int, set[int]] | None = None
+) -> list[frozenset[int]]:
     """``count`` disjoint CPU sets of whole physical cores (SMT siblings kept together), as even as the cores allow,
     from ``allowed`` (this process's CPUs): engines pinned apart never share a core with each other. The host speed
     of a batch-1 step moves by up to 1.5 ms between processes, which alternating repeats do not remove."""

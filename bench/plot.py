@@ -30,8 +30,12 @@ def plot_step(data: dict, ax: object) -> None:
     configs = sorted({(r["method"], r["budget"]) for r in rows}, key=lambda c: (c[1], c[0]))
     ratio = {(r["context"], r["batch"], r["method"], r["budget"]): r["vs_chain"] for r in rows}
     labels = [f"{c // 1024}k, batch {b}" for c, b in cells]
-    _bars(ax, labels, {f"{m} {n}": [ratio.get((c, b, m, n), 0) for c, b in cells] for m, n in configs},
-          "ddtree step / V2 DFlash chain step (same width)")  # fmt: skip
+    _bars(
+        ax,
+        labels,
+        {f"{m} {n}": [ratio.get((c, b, m, n), 0) for c, b in cells] for m, n in configs},
+        "ddtree step / V2 DFlash chain step (same width)",
+    )
     ax.axhline(1.1, color="red", linestyle="--", linewidth=1, label="target 1.1")
     ax.axhline(1.0, color="black", linewidth=0.5)
     ax.set_ylim(min(0.9, min(ratio.values()) - 0.05), max(1.2, max(ratio.values()) + 0.05))
@@ -47,8 +51,12 @@ def plot_kernel(data: dict, ax: object) -> None:
     labels = [f"B{b} L{n_l // 1024}k\nH{h} N{n}" for b, n_l, h, n in shapes]
     first = [next(r for k, r in by.items() if k[:4] == shape) for shape in shapes]
     series = {}
-    variants = (("auto", "our CUDA kernel, auto (sm_90)"), ("portable", "our CUDA kernel, portable"),
-                ("decode", "our decode kernel, forced"), ("decode-shallow", "our decode kernel, sm_120 ring"))
+    variants = (
+        ("auto", "our CUDA kernel, auto (sm_90)"),
+        ("portable", "our CUDA kernel, portable"),
+        ("decode", "our decode kernel, forced"),
+        ("decode-shallow", "our decode kernel, sm_120 ring"),
+    )
     for variant, name in variants:
         if all((*shape, variant) in by for shape in shapes):
             series[name] = [by[(*shape, variant)]["us"] for shape in shapes]

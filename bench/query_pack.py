@@ -44,9 +44,17 @@ def bench_shape(batch: int, width: int) -> dict:
     cat_us = gpu_median_us(lambda: torch.cat([q_nope, q_pe], -1))
     pack_us = gpu_median_us(lambda: pack_context_query(q_nope, q_pe))
     moved = 2 * tokens * HEADS * 576 * 2  # bytes read + written
-    return dict(batch=batch, width=width, tokens=tokens, heads=HEADS, cat_us=round(cat_us, 2),
-                pack_us=round(pack_us, 2), speedup=round(cat_us / pack_us, 2),
-                pack_tb_s=round(moved / pack_us / 1e6, 2), cat_tb_s=round(moved / cat_us / 1e6, 2))  # fmt: skip
+    return dict(
+        batch=batch,
+        width=width,
+        tokens=tokens,
+        heads=HEADS,
+        cat_us=round(cat_us, 2),
+        pack_us=round(pack_us, 2),
+        speedup=round(cat_us / pack_us, 2),
+        pack_tb_s=round(moved / pack_us / 1e6, 2),
+        cat_tb_s=round(moved / cat_us / 1e6, 2),
+    )
 
 
 def main() -> None:
@@ -54,15 +62,22 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results/query_pack.json"))
     args = parser.parse_args()
     rows = [bench_shape(batch, width) for batch, width in SHAPES]
-    print(f"{'batch':>5} {'width':>5} {'tokens':>6} {'cat us':>8} {'pack us':>8} {'speedup':>7} {'cat TB/s':>8} "
-          f"{'pack TB/s':>9}")  # fmt: skip
+    print(
+        f"{'batch':>5} {'width':>5} {'tokens':>6} {'cat us':>8} {'pack us':>8} {'speedup':>7} {'cat TB/s':>8} "
+        f"{'pack TB/s':>9}"
+    )
     for r in rows:
-        print(f"{r['batch']:>5} {r['width']:>5} {r['tokens']:>6} {r['cat_us']:>8} {r['pack_us']:>8} "
-              f"{r['speedup']:>7} {r['cat_tb_s']:>8} {r['pack_tb_s']:>9}")  # fmt: skip
+        print(
+            f"{r['batch']:>5} {r['width']:>5} {r['tokens']:>6} {r['cat_us']:>8} {r['pack_us']:>8} "
+            f"{r['speedup']:>7} {r['cat_tb_s']:>8} {r['pack_tb_s']:>9}"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     machine = dict(gpu=torch.cuda.get_device_name(), host=platform.node(), torch=torch.__version__)
-    args.out.write_text(json.dumps(dict(meta=run_meta(), machine=machine, timing="CUDA-graph replay, median us a call",
-                                        rows=rows), indent=1))  # fmt: skip
+    args.out.write_text(
+        json.dumps(
+            dict(meta=run_meta(), machine=machine, timing="CUDA-graph replay, median us a call", rows=rows), indent=1
+        )
+    )
     print(f"wrote {args.out}")
 
 

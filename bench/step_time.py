@@ -64,29 +64,76 @@ from paired_children import Child, core_sets, interleaved_rows
 
 DRAFT_LAYERS = 2
 DRAFT_BLOCK = 16
-COMMON = dict(max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0, hidden_act="silu",
-              attention_bias=False, tie_word_embeddings=False, torch_dtype="bfloat16", bos_token_id=0,
-              eos_token_id=1)  # fmt: skip
-QWEN3_4B = dict(model_type="qwen3", hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936)  # fmt: skip
-KIMI_MLA = dict(model_type="deepseek_v3", hidden_size=2048, intermediate_size=8192, moe_intermediate_size=2048,
-                num_hidden_layers=4, num_attention_heads=64, num_key_value_heads=64, vocab_size=163840,
-                q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-                n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1,
-                first_k_dense_replace=4, moe_layer_freq=1, routed_scaling_factor=1.0, topk_method="noaux_tc",
-                scoring_func="sigmoid", norm_topk_prob=True, rope_scaling=None)  # fmt: skip
+COMMON = dict(
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    hidden_act="silu",
+    attention_bias=False,
+    tie_word_embeddings=False,
+    torch_dtype="bfloat16",
+    bos_token_id=0,
+    eos_token_id=1,
+)
+QWEN3_4B = dict(
+    model_type="qwen3",
+    hidden_size=2560,
+    intermediate_size=9728,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=151936,
+)
+KIMI_MLA = dict(
+    model_type="deepseek_v3",
+    hidden_size=2048,
+    intermediate_size=8192,
+    moe_intermediate_size=2048,
+    num_hidden_layers=4,
+    num_attention_heads=64,
+    num_key_value_heads=64,
+    vocab_size=163840,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    n_shared_experts=1,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+    first_k_dense_replace=4,
+    moe_layer_freq=1,
+    routed_scaling_factor=1.0,
+    topk_method="noaux_tc",
+    scoring_func="sigmoid",
+    norm_topk_prob=True,
+    rope_scaling=None,
+)
 # Per target: architecture, config, and each configuration's (spec method, target attention backend, V2 runner?,
 # extra environment).
 TARGETS = {
-    "qwen3-4b": ("Qwen3ForCausalLM", QWEN3_4B, {
-        "none": (None, None, True, {}), "dflash": ("dflash", None, True, {}), "ddtree": ("ddtree", None, True, {})}),
-    "kimi-mla": ("DeepseekV3ForCausalLM", KIMI_MLA, {
-        "none": (None, "FLASHMLA", True, {}), "dflash": ("dflash", "FLASHMLA", True, {}),
-        "dflash-v1": ("dflash", "TRITON_MLA", False, {}), "dflash-v1-plain": ("dflash", "TRITON_MLA", False, {
-            "VLLM_PLUGINS": "none"}), "dflash-v2-triton": ("dflash", "TRITON_MLA", True, {}),
-        "ddtree": ("ddtree", None, True, {}),
-        "ddtree-own": ("ddtree", None, True, {"DDTREE_MLA_CONTEXT": "ddtree"})}),
-}  # fmt: skip
+    "qwen3-4b": (
+        "Qwen3ForCausalLM",
+        QWEN3_4B,
+        {"none": (None, None, True, {}), "dflash": ("dflash", None, True, {}), "ddtree": ("ddtree", None, True, {})},
+    ),
+    "kimi-mla": (
+        "DeepseekV3ForCausalLM",
+        KIMI_MLA,
+        {
+            "none": (None, "FLASHMLA", True, {}),
+            "dflash": ("dflash", "FLASHMLA", True, {}),
+            "dflash-v1": ("dflash", "TRITON_MLA", False, {}),
+            "dflash-v1-plain": ("dflash", "TRITON_MLA", False, {"VLLM_PLUGINS": "none"}),
+            "dflash-v2-triton": ("dflash", "TRITON_MLA", True, {}),
+            "ddtree": ("ddtree", None, True, {}),
+            "ddtree-own": ("ddtree", None, True, {"DDTREE_MLA_CONTEXT": "ddtree"}),
+        },
+    ),
+}
 
 
 def write_models(root: Path, target_name: str) -> tuple[Path, Path]:
@@ -97,14 +144,25 @@ def write_models(root: Path, target_name: str) -> tuple[Path, Path]:
     drafter.mkdir(parents=True, exist_ok=True)
     (target / "config.json").write_text(json.dumps({"architectures": [arch], **COMMON, **geometry}))
     hidden, layers = geometry["hidden_size"], geometry["num_hidden_layers"]
-    (drafter / "config.json").write_text(json.dumps({
-        "architectures": ["DFlashDraftModel"], **COMMON, **QWEN3_4B, "hidden_size": hidden,
-        "vocab_size": geometry["vocab_size"],
-        "num_hidden_layers": DRAFT_LAYERS, "block_size": DRAFT_BLOCK, "num_target_layers": layers,
-        "target_hidden_size": hidden,
-        "dflash_config": {"mask_token_id": geometry["vocab_size"] - 1,
-                          "target_layer_ids": sorted({1, layers // 2, layers - 1 - (layers > 4) * 2})},
-    }))  # fmt: skip
+    (drafter / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["DFlashDraftModel"],
+                **COMMON,
+                **QWEN3_4B,
+                "hidden_size": hidden,
+                "vocab_size": geometry["vocab_size"],
+                "num_hidden_layers": DRAFT_LAYERS,
+                "block_size": DRAFT_BLOCK,
+                "num_target_layers": layers,
+                "target_hidden_size": hidden,
+                "dflash_config": {
+                    "mask_token_id": geometry["vocab_size"] - 1,
+                    "target_layer_ids": sorted({1, layers // 2, layers - 1 - (layers > 4) * 2}),
+                },
+            }
+        )
+    )
     return target, drafter
 
 
@@ -125,19 +183,30 @@ class EngineBench:
         if spec_method:
             spec = {"method": spec_method, "model": str(drafter), "num_speculative_tokens": args.budget}
         self.llm = LLM(
-            model=str(target), load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, seed=0,
-            max_model_len=max(args.contexts) + 512, max_num_seqs=max(args.batches),
-            gpu_memory_utilization=args.gpu_memory, speculative_config=spec, enable_prefix_caching=True,
+            model=str(target),
+            load_format="dummy",
+            dtype="bfloat16",
+            skip_tokenizer_init=True,
+            seed=0,
+            max_model_len=max(args.contexts) + 512,
+            max_num_seqs=max(args.batches),
+            gpu_memory_utilization=args.gpu_memory,
+            speculative_config=spec,
+            enable_prefix_caching=True,
             attention_backend=backend,
-            compilation_config={"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY",
-                                "cudagraph_capture_sizes": full_graph_sizes(args.batches, spec_method, args.budget,
-                                                                            DRAFT_BLOCK)},
-        )  # fmt: skip
+            compilation_config={
+                "mode": 0,
+                "cudagraph_mode": "FULL_DECODE_ONLY",
+                "cudagraph_capture_sizes": full_graph_sizes(args.batches, spec_method, args.budget, DRAFT_BLOCK),
+            },
+        )
         capacity = self.on_worker(kv_capacity)
         if capacity < max(args.batches):
-            raise SystemExit(f"{args.method}: the KV cache holds {capacity:.1f} requests of {max(args.contexts) + 512} "
-                             f"tokens, the batch is {max(args.batches)}; give each engine more memory (fewer "
-                             f"configurations per --paired group, or no --paired)")  # fmt: skip
+            raise SystemExit(
+                f"{args.method}: the KV cache holds {capacity:.1f} requests of {max(args.contexts) + 512} "
+                f"tokens, the batch is {max(args.batches)}; give each engine more memory (fewer "
+                f"configurations per --paired group, or no --paired)"
+            )
         self.on_worker(install_probes)
 
     def on_worker(self, fn: Any) -> Any:
@@ -147,8 +216,9 @@ class EngineBench:
         from vllm import SamplingParams
 
         self.context, self.batch = context, batch
-        self.prompts = [{"prompt_token_ids": [(7 * i + 13 * r) % 150000 + 2 for i in range(context)]}
-                        for r in range(batch)]  # fmt: skip
+        self.prompts = [
+            {"prompt_token_ids": [(7 * i + 13 * r) % 150000 + 2 for i in range(context)]} for r in range(batch)
+        ]
         self.params = SamplingParams(temperature=0.0, max_tokens=1 + self.args.steps, ignore_eos=True)
         self.llm.generate(self.prompts, self.params, use_tqdm=False)  # prefill into the prefix cache, warm the graphs
         self.on_worker(read_probes)
@@ -162,9 +232,13 @@ class EngineBench:
         steady = slice(3, None)  # skip the prefill step and the ramp-up
         self.samples.append(statistics.median([b - a for a, b in pairwise(probes.starts)][steady]))
         self.busy.append(statistics.median(probes.busy[steady]))
-        self.counts = [self.counts[0] + len(probes.starts), self.counts[1] + probes.verify,
-                       self.counts[2] + probes.draft, self.counts[3] + probes.context_kv,
-                       self.counts[4] + probes.combine]  # fmt: skip
+        self.counts = [
+            self.counts[0] + len(probes.starts),
+            self.counts[1] + probes.verify,
+            self.counts[2] + probes.draft,
+            self.counts[3] + probes.context_kv,
+            self.counts[4] + probes.combine,
+        ]
 
     def profile(self, directory: str) -> None:
         args = self.args
@@ -172,23 +246,31 @@ class EngineBench:
         out.parent.mkdir(parents=True, exist_ok=True)
         self.on_worker(start_profiler)
         self.llm.generate(self.prompts, self.params, use_tqdm=False)
-        out.write_text(f"{args.method} budget {args.budget}: one generate of {1 + args.steps} tokens (first "
-                       f"is prefill), engine process\n" + self.on_worker(stop_profiler))  # fmt: skip
+        out.write_text(
+            f"{args.method} budget {args.budget}: one generate of {1 + args.steps} tokens (first "
+            f"is prefill), engine process\n" + self.on_worker(stop_profiler)
+        )
         self.on_worker(partial(start_profiler, with_stack=True))
         self.llm.generate(self.prompts, self.params, use_tqdm=False)
         by_function = self.on_worker(partial(stop_profiler, trace=str(out.with_suffix(".trace.json"))))
         out.with_suffix(".python.txt").write_text(by_function)
 
     def row(self) -> dict:
-        return {"method": self.args.method, "budget": self.args.budget if self.spec else 0,
-                "width": 1 + self.args.budget if self.spec else 1, "context": self.context, "batch": self.batch,
-                "step_ms": round(1e3 * statistics.median(self.samples), 4),
-                "samples_ms": [round(1e3 * s, 4) for s in self.samples],
-                "worker_ms": round(1e3 * statistics.median(self.busy), 4), "steps": self.counts[0],
-                "verify_graph_replays": self.counts[1] if self.v2 else None,
-                "draft_graph_replays": self.counts[2] if self.v2 and self.spec else None,
-                "context_kv_graph_replays": self.counts[3] if self.v2 and self.spec == "ddtree" else None,
-                "combine_graph_replays": self.counts[4] if self.v2 and self.spec == "ddtree" else None}  # fmt: skip
+        return {
+            "method": self.args.method,
+            "budget": self.args.budget if self.spec else 0,
+            "width": 1 + self.args.budget if self.spec else 1,
+            "context": self.context,
+            "batch": self.batch,
+            "step_ms": round(1e3 * statistics.median(self.samples), 4),
+            "samples_ms": [round(1e3 * s, 4) for s in self.samples],
+            "worker_ms": round(1e3 * statistics.median(self.busy), 4),
+            "steps": self.counts[0],
+            "verify_graph_replays": self.counts[1] if self.v2 else None,
+            "draft_graph_replays": self.counts[2] if self.v2 and self.spec else None,
+            "context_kv_graph_replays": self.counts[3] if self.v2 and self.spec == "ddtree" else None,
+            "combine_graph_replays": self.counts[4] if self.v2 and self.spec == "ddtree" else None,
+        }
 
     def close(self) -> None:
         shut_down(self.llm)
@@ -228,10 +310,28 @@ def serve_one(args: argparse.Namespace) -> None:
 
 
 def _child_cmd(args: argparse.Namespace, workdir: str, method: str, budget: int, gpu_memory: float) -> list[str]:
-    return [sys.executable, __file__, "--target", args.target, "--one", method, str(budget), "--workdir", workdir,
-            "--steps", str(args.steps), "--repeats", str(args.repeats), "--gpu-memory", str(gpu_memory),
-            "--contexts", *map(str, args.contexts), "--batches", *map(str, args.batches),
-            *(["--inline"] if args.inline else [])]  # fmt: skip
+    return [
+        sys.executable,
+        __file__,
+        "--target",
+        args.target,
+        "--one",
+        method,
+        str(budget),
+        "--workdir",
+        workdir,
+        "--steps",
+        str(args.steps),
+        "--repeats",
+        str(args.repeats),
+        "--gpu-memory",
+        str(gpu_memory),
+        "--contexts",
+        *map(str, args.contexts),
+        "--batches",
+        *map(str, args.batches),
+        *(["--inline"] if args.inline else []),
+    ]
 
 
 def _paired_rows(args: argparse.Namespace, workdir: str, group: list[tuple[str, int]]) -> list[dict]:
@@ -272,24 +372,44 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="run every configuration this many times, interleaved, one process each (median)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every configuration this many times, interleaved, one process each (median)",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench/results/step_time_h200.json"))
-    parser.add_argument("--profile", metavar="DIR",
-                        help="also write a torch.profiler table per configuration, context and batch here (round 0), "
-                             "and the host time by Python function of a second generate (with_stack trace)")
-    parser.add_argument("--inline", action="store_true",
-                        help="run the engine core inside the bench process (how the earlier JSON was measured)")
-    parser.add_argument("--paired", action="store_true",
-                        help="keep a budget's V2 chain and ddtree engines alive at once and alternate their timed "
-                             "repeats (each engine gets an equal share of --gpu-memory); the other configurations "
-                             "run one engine at a time")
-    parser.add_argument("--pair-chains", nargs="+", default=["dflash"], metavar="CONFIG",
-                        help="with --paired: the chain configurations each budget's ddtree engines alternate with "
-                             "(default dflash, the V2 chain; dflash-v1-plain for the V1 chain as vLLM ships it)")
-    parser.add_argument("--pin", action="store_true",
-                        help="with --paired: pin each engine of a group (and its engine core) to its own physical "
-                             "CPU cores")
+    parser.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="also write a torch.profiler table per configuration, context and batch here (round 0), "
+        "and the host time by Python function of a second generate (with_stack trace)",
+    )
+    parser.add_argument(
+        "--inline",
+        action="store_true",
+        help="run the engine core inside the bench process (how the earlier JSON was measured)",
+    )
+    parser.add_argument(
+        "--paired",
+        action="store_true",
+        help="keep a budget's V2 chain and ddtree engines alive at once and alternate their timed "
+        "repeats (each engine gets an equal share of --gpu-memory); the other configurations "
+        "run one engine at a time",
+    )
+    parser.add_argument(
+        "--pair-chains",
+        nargs="+",
+        default=["dflash"],
+        metavar="CONFIG",
+        help="with --paired: the chain configurations each budget's ddtree engines alternate with "
+        "(default dflash, the V2 chain; dflash-v1-plain for the V1 chain as vLLM ships it)",
+    )
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="with --paired: pin each engine of a group (and its engine core) to its own physical CPU cores",
+    )
     parser.add_argument("--gpu-memory", type=float, default=0.85, help="vLLM's gpu_memory_utilization (all engines)")
     parser.add_argument("--one", nargs=2, metavar=("METHOD", "BUDGET"), help=argparse.SUPPRESS)
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
@@ -307,8 +427,11 @@ def main() -> None:
     unknown = sorted(set(names) - set(TARGETS[args.target][2]))
     if unknown:
         parser.error(f"unknown configs {unknown} for {args.target}; choose from {sorted(TARGETS[args.target][2])}")
-    not_chains = sorted(c for c in args.pair_chains if c not in TARGETS[args.target][2] or c.startswith("ddtree")
-                        or not TARGETS[args.target][2][c][0])
+    not_chains = sorted(
+        c
+        for c in args.pair_chains
+        if c not in TARGETS[args.target][2] or c.startswith("ddtree") or not TARGETS[args.target][2][c][0]
+    )
     if not_chains:
         parser.error(f"--pair-chains takes chain configurations of {args.target}; {not_chains} are not")
     speculative = [n for n in names if TARGETS[args.target][2][n][0]]
@@ -334,12 +457,16 @@ def main() -> None:
                     _write(args, rows)
     table = _write(args, rows)
     keys = ("vs_chain", "vs_chain_q1", "vs_chain_pairs", "vs_chain_v1", "vs_chain_v1_plain", "vs_chain_v1_plain_pairs")
-    print(f"{'config':15} {'budget':>6} {'ctx':>6} {'batch':>5} {'step ms':>8} {'vs chain':>8} {'(q1)':>6} "
-          f"{'(pairs)':>7} {'vs V1 chain':>11} {'vs plain V1':>11} {'(pairs)':>7}")
+    print(
+        f"{'config':15} {'budget':>6} {'ctx':>6} {'batch':>5} {'step ms':>8} {'vs chain':>8} {'(q1)':>6} "
+        f"{'(pairs)':>7} {'vs V1 chain':>11} {'vs plain V1':>11} {'(pairs)':>7}"
+    )
     for r in table:
         ratios = [f"{r[key]:.3f}" if r.get(key) else "" for key in keys]
-        print(f"{r['method']:15} {r['budget']:>6} {r['context']:>6} {r['batch']:>5} {r['step_ms']:>8.3f} "
-              f"{ratios[0]:>8} {ratios[1]:>6} {ratios[2]:>7} {ratios[3]:>11} {ratios[4]:>11} {ratios[5]:>7}")
+        print(
+            f"{r['method']:15} {r['budget']:>6} {r['context']:>6} {r['batch']:>5} {r['step_ms']:>8.3f} "
+            f"{ratios[0]:>8} {ratios[1]:>6} {ratios[2]:>7} {ratios[3]:>11} {ratios[4]:>11} {ratios[5]:>7}"
+        )
 
 
 def combine_rounds(rows: list[dict]) -> list[dict]:
@@ -357,16 +484,22 @@ def combine_rounds(rows: list[dict]) -> list[dict]:
         row["samples_ms"] = [s for r in group for s in r["samples_ms"]]
         if all("worker_ms" in r for r in group):
             row["worker_ms"] = round(statistics.median(r["worker_ms"] for r in group), 4)
-        for key in ("steps", "verify_graph_replays", "draft_graph_replays", "context_kv_graph_replays",
-                    "combine_graph_replays"):
+        for key in (
+            "steps",
+            "verify_graph_replays",
+            "draft_graph_replays",
+            "context_kv_graph_replays",
+            "combine_graph_replays",
+        ):
             if row.get(key) is not None:
                 row[key] = sum(r[key] for r in group)
         table.append(row)
     return table
 
 
-def robust_ratios(samples: list[float], chain: list[float] | None, paired: bool, key: str = "vs_chain"
-                  ) -> dict[str, float | None]:
+def robust_ratios(
+    samples: list[float], chain: list[float] | None, paired: bool, key: str = "vs_chain"
+) -> dict[str, float | None]:
     """Two ratios to a chain (``key`` names it: ``vs_chain`` the V2 chain) that a few slow repeats cannot move (on
     the lent H200 some stretches of seconds run ~1.3 ms slower, often in both engines of a pair at once): of the
     lower quartiles (the undisturbed steps), and, when the engines alternated their repeats, the median of the
@@ -394,15 +527,29 @@ def _write(args: argparse.Namespace, rows: list[dict]) -> list[dict]:
             r[key] = round(r["step_ms"] / ref["step_ms"], 3) if ref else None
             r.update(robust_ratios(r["samples_ms"], ref["samples_ms"] if ref else None, args.paired, key))
     arch, geometry, configs = TARGETS[args.target]
-    args.out.write_text(json.dumps({
-        "meta": run_meta(), "machine": "H200", "target": {"name": args.target, "architecture": arch, **geometry},
-        "configs": {name: {"method": m, "target_backend": b or "auto", "runner": "V2" if v2 else "V1", "env": env}
-                    for name, (m, b, v2, env) in configs.items()},
-        "drafter": f"DFlash {DRAFT_LAYERS} layers, block {DRAFT_BLOCK}, dummy weights", "dtype": "bfloat16",
-        "graphs": "FULL_DECODE_ONLY, no torch.compile", "rounds": args.rounds,
-        "engines": ("paired, pinned to their own cores" if args.pin else "paired") if args.paired else "one at a time",
-        "timing": "median interval between steady decode steps; median over rounds (processes)",
-        "rows": rows}, indent=1))  # fmt: skip
+    args.out.write_text(
+        json.dumps(
+            {
+                "meta": run_meta(),
+                "machine": "H200",
+                "target": {"name": args.target, "architecture": arch, **geometry},
+                "configs": {
+                    name: {"method": m, "target_backend": b or "auto", "runner": "V2" if v2 else "V1", "env": env}
+                    for name, (m, b, v2, env) in configs.items()
+                },
+                "drafter": f"DFlash {DRAFT_LAYERS} layers, block {DRAFT_BLOCK}, dummy weights",
+                "dtype": "bfloat16",
+                "graphs": "FULL_DECODE_ONLY, no torch.compile",
+                "rounds": args.rounds,
+                "engines": ("paired, pinned to their own cores" if args.pin else "paired")
+                if args.paired
+                else "one at a time",
+                "timing": "median interval between steady decode steps; median over rounds (processes)",
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
     return rows
 
 

@@ -122,8 +122,9 @@ def bench_case(batch: int, budget: int, device: str) -> dict:
     row["mean_accepted"] = paths.num_accepted.float().mean().item()
     query_start_loc = torch.arange(0, (batch + 1) * width, width, dtype=torch.int32, device=device)
     for kind, layers in (("mla", 61), ("gqa", 36)):
-        caches, block_dim, offset_dim = make_caches(kind, layers, batch * 2 * 64 // (64 if kind == "mla" else 16) + 8,
-                                                    device)
+        caches, block_dim, offset_dim = make_caches(
+            kind, layers, batch * 2 * 64 // (64 if kind == "mla" else 16) + 8, device
+        )
         block_size = caches[0].shape[offset_dim]
         num_slots = caches[0].shape[block_dim] * block_size
         slot_mapping = (torch.randperm(num_slots - block_size, generator=gen)[: batch * width] + block_size).to(device)
@@ -160,13 +161,29 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench/tree_ops.py times CUDA-graph replays and needs a CUDA GPU")
     rows = [bench_case(b, n, "cuda") for b in args.batches for n in args.budgets]
-    cols = ["batch", "budget", "topk_triton_us", "topk_torch_us", "build_triton_us", "build_torch_us", "walk_us",
-            "walk_torch_us", "compact_mla_61l_us", "compact_gqa_36l_us", "step_build_walk_compact_mla_us",
-            "heap_reference_cpu_us", "mean_accepted"]
+    cols = [
+        "batch",
+        "budget",
+        "topk_triton_us",
+        "topk_torch_us",
+        "build_triton_us",
+        "build_torch_us",
+        "walk_us",
+        "walk_torch_us",
+        "compact_mla_61l_us",
+        "compact_gqa_36l_us",
+        "step_build_walk_compact_mla_us",
+        "heap_reference_cpu_us",
+        "mean_accepted",
+    ]
     print(" | ".join(f"{c:>14}" for c in cols))
     for r in rows:
-        print(" | ".join(f"{r.get(c, float('nan')):>14.1f}" if isinstance(r.get(c), float) else f"{r.get(c, '-'):>14}"
-                         for c in cols))
+        print(
+            " | ".join(
+                f"{r.get(c, float('nan')):>14.1f}" if isinstance(r.get(c), float) else f"{r.get(c, '-'):>14}"
+                for c in cols
+            )
+        )
     result = {
         "meta": run_meta(),
         "device": torch.cuda.get_device_name(),

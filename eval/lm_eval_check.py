@@ -80,25 +80,49 @@ def run_task(url: str, task: str, task_dir: Path, limit: int | None) -> tuple[di
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    model_args = (f"model={SERVED},base_url={url}/v1/completions,num_concurrent=1,max_retries=3,"
-                  "tokenized_requests=False,tokenizer_backend=None,eos_string=<|endoftext|>")
-    out = lm_eval.simple_evaluate(model="local-completions", model_args=model_args, tasks=[task],
-                                  task_manager=TaskManager(include_path=str(task_dir)), limit=limit,
-                                  log_samples=True, random_seed=0, numpy_random_seed=0, torch_random_seed=0)
+    model_args = (
+        f"model={SERVED},base_url={url}/v1/completions,num_concurrent=1,max_retries=3,"
+        "tokenized_requests=False,tokenizer_backend=None,eos_string=<|endoftext|>"
+    )
+    out = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args=model_args,
+        tasks=[task],
+        task_manager=TaskManager(include_path=str(task_dir)),
+        limit=limit,
+        log_samples=True,
+        random_seed=0,
+        numpy_random_seed=0,
+        torch_random_seed=0,
+    )
     samples = sorted(out["samples"][task], key=lambda s: s["doc_id"])
     metrics = {k: v for k, v in out["results"][task].items() if isinstance(v, (int, float)) and "stderr" not in k}
     return metrics, [s["resps"][0][0] for s in samples]
 
 
 def server_args(target: Path, drafter: Path | None, budget: int, gpu: bool) -> list[str]:
-    args = ["--model", str(target), "--served-model-name", SERVED, "--max-model-len", "512", "--max-num-seqs", "8",
-            "--seed", "0"]
+    args = [
+        "--model",
+        str(target),
+        "--served-model-name",
+        SERVED,
+        "--max-model-len",
+        "512",
+        "--max-num-seqs",
+        "8",
+        "--seed",
+        "0",
+    ]
     # fp32 on the CPU: both runs then compute the target's logits the same way up to float rounding in a different
     # attention kernel, so greedy ties are as unlikely as the model allows
     args += ["--dtype", "bfloat16", "--gpu-memory-utilization", "0.3"] if gpu else ["--dtype", "float32"]
     if drafter is not None:
-        spec = {"method": "ddtree", "model": str(drafter), "num_speculative_tokens": budget,
-                "draft_load_config": {"load_format": "safetensors"}}
+        spec = {
+            "method": "ddtree",
+            "model": str(drafter),
+            "num_speculative_tokens": budget,
+            "draft_load_config": {"load_format": "safetensors"},
+        }
         args += ["--speculative-config", json.dumps(spec)]
     return args
 
@@ -142,17 +166,32 @@ def main() -> int:
     print(f"{'run':>16} | " + " | ".join(f"{k:>16}" for k in base["metrics"]) + " | mean acceptance")
     for name, r in rows.items():
         acc = f"{r['mean_acceptance_length']:.2f}" if r["mean_acceptance_length"] else "-"
-        print(f"{name:>16} | " + " | ".join(f"{r['metrics'].get(k, float('nan')):>16.4f}" for k in base["metrics"])
-              + f" | {acc}")
+        print(
+            f"{name:>16} | "
+            + " | ".join(f"{r['metrics'].get(k, float('nan')):>16.4f}" for k in base["metrics"])
+            + f" | {acc}"
+        )
     print(f"identical answers: {same}/{n}")
     ok = same == n and base["metrics"] == spec["metrics"]
     print("PASS: ddtree scores and answers equal the target's own" if ok else "FAIL: the runs differ")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"task": args.task, "docs": n, "target": str(args.target),
-                                        "drafter": str(args.drafter), "budget": args.budget,
-                                        "device": torch.cuda.get_device_name() if gpu else "cpu",
-                                        "identical_answers": same, base_name: base, spec_name: spec}, indent=1))
+        args.out.write_text(
+            json.dumps(
+                {
+                    "task": args.task,
+                    "docs": n,
+                    "target": str(args.target),
+                    "drafter": str(args.drafter),
+                    "budget": args.budget,
+                    "device": torch.cuda.get_device_name() if gpu else "cpu",
+                    "identical_answers": same,
+                    base_name: base,
+                    spec_name: spec,
+                },
+                indent=1,
+            )
+        )
     return 0 if ok else 1
 
 

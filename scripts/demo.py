@@ -34,13 +34,35 @@ def main() -> None:
 
     gpu = torch.cuda.is_available()
     target, drafter = model_pair(gpu)
-    spec = {"method": "ddtree", "model": str(drafter), "num_speculative_tokens": 15,
-            "draft_load_config": {"load_format": "safetensors"}}
-    args = ["--model", str(target), "--served-model-name", "ddtree-demo", "--max-model-len", "512",
-            "--max-num-seqs", "8", "--max-num-batched-tokens", "512", "--speculative-config", json.dumps(spec)]
+    spec = {
+        "method": "ddtree",
+        "model": str(drafter),
+        "num_speculative_tokens": 15,
+        "draft_load_config": {"load_format": "safetensors"},
+    }
+    args = [
+        "--model",
+        str(target),
+        "--served-model-name",
+        "ddtree-demo",
+        "--max-model-len",
+        "512",
+        "--max-num-seqs",
+        "8",
+        "--max-num-batched-tokens",
+        "512",
+        "--speculative-config",
+        json.dumps(spec),
+    ]
     if gpu:  # no torch.compile, so the server is up in seconds; decode steps still replay FULL CUDA graphs
-        args += ["--dtype", "bfloat16", "--gpu-memory-utilization", "0.2",
-                 "--compilation-config", json.dumps({"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})]
+        args += [
+            "--dtype",
+            "bfloat16",
+            "--gpu-memory-utilization",
+            "0.2",
+            "--compilation-config",
+            json.dumps({"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}),
+        ]
     print("serving:", " ".join(args), flush=True)
     with openai_server(args) as url:
         client = OpenAI(base_url=f"{url}/v1", api_key="none")

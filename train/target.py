@@ -73,8 +73,9 @@ def make_config() -> Qwen3Config:
     )
 
 
-def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float,
-                   steps: int) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+def make_optimizer(
+    model: torch.nn.Module, lr: float, weight_decay: float, steps: int
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW (betas 0.9, 0.95) with a linear warmup over 4 % of the steps, then cosine to 0 (targets and drafters)."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
     warm = max(1, steps // 25)
@@ -84,8 +85,9 @@ def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float,
     return opt, sched
 
 
-def optimizer_step(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
-                   loss: torch.Tensor) -> None:
+def optimizer_step(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler, loss: torch.Tensor
+) -> None:
     """Backward, clip the gradient norm at 1, step the optimizer and the schedule, clear the gradients."""
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

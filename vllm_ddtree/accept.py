@@ -47,8 +47,10 @@ def _check_masks(anc_bits: Tensor) -> None:
     """Refuse ancestor masks that are not one int64 word per node: wider trees cannot be verified (the config caps
     the budget so that they never occur)."""
     if anc_bits.dim() != 2 or anc_bits.shape[1] > MAX_TREE_WIDTH:
-        raise ValueError(f"ancestor masks must be [B, W] int64 with W <= {MAX_TREE_WIDTH} (one word per node, root "
-                         f"included: budget <= {MAX_TREE_BUDGET}), got shape {tuple(anc_bits.shape)}")
+        raise ValueError(
+            f"ancestor masks must be [B, W] int64 with W <= {MAX_TREE_WIDTH} (one word per node, root "
+            f"included: budget <= {MAX_TREE_BUDGET}), got shape {tuple(anc_bits.shape)}"
+        )
 
 
 def _pack_bits(flags: Tensor) -> Tensor:
@@ -114,8 +116,14 @@ def walk_trees_torch(
 
 
 def walk_verify_batch_torch(
-    picks: Tensor, inputs: Tensor, cu_num_logits: Tensor, tree_rows: Tensor, parents: Tensor, anc_bits: Tensor,
-    num_nodes: Tensor, max_depth: int,
+    picks: Tensor,
+    inputs: Tensor,
+    cu_num_logits: Tensor,
+    tree_rows: Tensor,
+    parents: Tensor,
+    anc_bits: Tensor,
+    num_nodes: Tensor,
+    max_depth: int,
 ) -> AcceptedPaths:
     """``walk_verify_batch`` in torch ops (the reference): gather each request's verify rows into ``[B, W]``."""
     budget = parents.shape[1] - 1
@@ -127,8 +135,9 @@ def walk_verify_batch_torch(
     tokens = torch.where(col[None, 1:] < counts[:, None], inputs.to(torch.int64)[index[:, 1:]], 0)
     rows = tree_rows.to(torch.int64)
     rows = torch.where(rows >= 0, rows, parents.shape[0] - 1)
-    return walk_trees_torch(tokens, parents[rows], anc_bits[rows], torch.minimum(counts - 1, num_nodes[rows]), target,
-                            max_depth)  # fmt: skip
+    return walk_trees_torch(
+        tokens, parents[rows], anc_bits[rows], torch.minimum(counts - 1, num_nodes[rows]), target, max_depth
+    )
 
 
 @triton.jit
@@ -191,8 +200,14 @@ def _walk_kernel(
 
 
 def walk_verify_batch(
-    picks: Tensor, inputs: Tensor, cu_num_logits: Tensor, tree_rows: Tensor, parents: Tensor, anc_bits: Tensor,
-    num_nodes: Tensor, max_depth: int,
+    picks: Tensor,
+    inputs: Tensor,
+    cu_num_logits: Tensor,
+    tree_rows: Tensor,
+    parents: Tensor,
+    anc_bits: Tensor,
+    num_nodes: Tensor,
+    max_depth: int,
 ) -> tuple[AcceptedPaths, Tensor]:
     """The walk of a whole verify batch in one launch, straight from the runner's flat tensors.
 
@@ -207,8 +222,9 @@ def walk_verify_batch(
     batch, width = tree_rows.shape[0], parents.shape[1]
     device = picks.device
     if not (picks.is_cuda or envs.TRITON_INTERPRET):
-        paths = walk_verify_batch_torch(picks, inputs, cu_num_logits, tree_rows, parents, anc_bits, num_nodes,
-                                        max_depth)  # fmt: skip
+        paths = walk_verify_batch_torch(
+            picks, inputs, cu_num_logits, tree_rows, parents, anc_bits, num_nodes, max_depth
+        )
         return paths, (paths.num_accepted + 1).to(torch.int32)
     accepted_nodes = torch.empty(batch, max_depth + 1, dtype=torch.int64, device=device)
     num_accepted = torch.empty(batch, dtype=torch.int64, device=device)
@@ -216,10 +232,24 @@ def walk_verify_batch(
     num_sampled = torch.empty(batch, dtype=torch.int32, device=device)
     if batch > 0:
         _walk_kernel[(batch,)](
-            picks, inputs, cu_num_logits, tree_rows, parents, anc_bits, num_nodes, accepted_nodes, num_accepted,
-            out, num_sampled, parents.shape[0] - 1, max_depth, BUDGET=width - 1, BLOCK=triton.next_power_of_2(width),
-            COLS=triton.next_power_of_2(max_depth + 1), num_warps=2,
-        )  # fmt: skip
+            picks,
+            inputs,
+            cu_num_logits,
+            tree_rows,
+            parents,
+            anc_bits,
+            num_nodes,
+            accepted_nodes,
+            num_accepted,
+            out,
+            num_sampled,
+            parents.shape[0] - 1,
+            max_depth,
+            BUDGET=width - 1,
+            BLOCK=triton.next_power_of_2(width),
+            COLS=triton.next_power_of_2(max_depth + 1),
+            num_warps=2,
+        )
     return AcceptedPaths(accepted_nodes=accepted_nodes, num_accepted=num_accepted, output_tokens=out), num_sampled
 
 
@@ -233,8 +263,16 @@ def walk_trees_triton(
     inputs = torch.cat([torch.zeros(batch, 1, dtype=torch.int64, device=device), node_tokens.to(torch.int64)], 1)
     cu = torch.arange(batch + 1, dtype=torch.int64, device=device) * width
     rows = torch.arange(batch, dtype=torch.int64, device=device)
-    paths, _ = walk_verify_batch(target_tokens.to(torch.int64).contiguous().view(-1), inputs.view(-1), cu, rows,
-                                 parents.contiguous(), anc_bits.contiguous(), num_nodes.contiguous(), max_depth)
+    paths, _ = walk_verify_batch(
+        target_tokens.to(torch.int64).contiguous().view(-1),
+        inputs.view(-1),
+        cu,
+        rows,
+        parents.contiguous(),
+        anc_bits.contiguous(),
+        num_nodes.contiguous(),
+        max_depth,
+    )
     return paths
 
 

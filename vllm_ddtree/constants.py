@@ -7,7 +7,7 @@ MLA kernel ids and shared-memory needs: the dispatch (``kernels/mla_dispatch.py`
 hold and passes its id to the CUDA op.
 
 The CUDA sources mirror these in ``kernels/csrc/params.h`` (with ``static_assert``s on how they relate);
-``tests/test_constants.py`` parses that header and checks every mirror against this module.
+``tests/unit/test_constants.py`` parses that header and checks every mirror against this module.
 """
 
 from __future__ import annotations

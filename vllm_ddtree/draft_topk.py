@@ -55,8 +55,19 @@ def _key_logit(key, dtype, WIDE: tl.constexpr):
 
 
 @triton.jit
-def _slice_topk_kernel(logits, row_stride, vocab, part_vals, part_ids, part_stats, num_slices,
-                       K: tl.constexpr, KP: tl.constexpr, SLICE: tl.constexpr, WIDE: tl.constexpr):  # fmt: skip
+def _slice_topk_kernel(
+    logits,
+    row_stride,
+    vocab,
+    part_vals,
+    part_ids,
+    part_stats,
+    num_slices,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    SLICE: tl.constexpr,
+    WIDE: tl.constexpr,
+):
     row = tl.program_id(0)
     piece = tl.program_id(1)
     local = tl.arange(0, SLICE)
@@ -86,8 +97,18 @@ def _slice_topk_kernel(logits, row_stride, vocab, part_vals, part_ids, part_stat
 
 
 @triton.jit
-def _merge_topk_kernel(part_vals, part_ids, part_stats, num_slices, vocab, out_logprobs, out_ids,
-                       K: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr):  # fmt: skip
+def _merge_topk_kernel(
+    part_vals,
+    part_ids,
+    part_stats,
+    num_slices,
+    vocab,
+    out_logprobs,
+    out_ids,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    SP: tl.constexpr,
+):
     row = tl.program_id(0)
     pieces = tl.arange(0, SP)
     live = pieces < num_slices
@@ -139,13 +160,32 @@ def _fused(logits: torch.Tensor, k: int, rows: int, vocab: int) -> tuple[torch.T
     part_ids = torch.empty(rows, num_slices, kp, dtype=torch.int32, device=device)
     part_stats = torch.empty(rows, num_slices, 2, dtype=torch.float32, device=device)
     _slice_topk_kernel[(rows, num_slices)](
-        logits, logits.stride(0), vocab, part_vals, part_ids, part_stats, num_slices, K=k, KP=kp, SLICE=slice_len,
-        WIDE=logits.element_size() == 4, num_warps=8,
-    )  # fmt: skip
+        logits,
+        logits.stride(0),
+        vocab,
+        part_vals,
+        part_ids,
+        part_stats,
+        num_slices,
+        K=k,
+        KP=kp,
+        SLICE=slice_len,
+        WIDE=logits.element_size() == 4,
+        num_warps=8,
+    )
     out_logprobs = torch.empty(rows, k, dtype=torch.float32, device=device)
     out_ids = torch.empty(rows, k, dtype=torch.int64, device=device)
     _merge_topk_kernel[(rows,)](
-        part_vals, part_ids, part_stats, num_slices, vocab, out_logprobs, out_ids, K=k, KP=kp,
-        SP=triton.next_power_of_2(num_slices), num_warps=4,
-    )  # fmt: skip
+        part_vals,
+        part_ids,
+        part_stats,
+        num_slices,
+        vocab,
+        out_logprobs,
+        out_ids,
+        K=k,
+        KP=kp,
+        SP=triton.next_power_of_2(num_slices),
+        num_warps=4,
+    )
     return out_logprobs, out_ids

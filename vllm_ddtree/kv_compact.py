@@ -141,8 +141,9 @@ def _compact_kv_kernel(
     # All index loads happen up front, as vectors over the path, so the copy loop waits on payload loads only.
     depth = 1 + tl.arange(0, PATH_TILE).to(tl.int64)
     in_path = depth <= PATH
-    nodes = tl.load(accepted_nodes + req * acc_stride_req + depth * acc_stride_col, mask=in_path & (depth < num_cols),
-                    other=-1).to(tl.int64)
+    nodes = tl.load(
+        accepted_nodes + req * acc_stride_req + depth * acc_stride_col, mask=in_path & (depth < num_cols), other=-1
+    ).to(tl.int64)
     valid = (depth <= num_acc) & (nodes >= 0) & (nodes != depth)
     src = tl.load(slot_mapping + (start + nodes) * slot_stride, mask=valid, other=-1).to(tl.int64)
     dst = tl.load(slot_mapping + (start + depth) * slot_stride, mask=valid, other=-1).to(tl.int64)

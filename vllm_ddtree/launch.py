@@ -39,21 +39,31 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
 
 
 @contextmanager
-def openai_server(args: Sequence[str], env: dict[str, str] | None = None, timeout_s: float = 600.0,
-                  log_path: str | None = None) -> Iterator[str]:
+def openai_server(
+    args: Sequence[str], env: dict[str, str] | None = None, timeout_s: float = 600.0, log_path: str | None = None
+) -> Iterator[str]:
     """Run ``vllm.entrypoints.openai.api_server`` with ``args`` on a free loopback port; yields its base URL.
 
     The server runs in its own process group and is stopped with SIGTERM (SIGKILL after 60 s) on exit, so no
     engine-core or worker process outlives the block.
     """
     port = free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port", str(port),
-           *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *args,
+    ]
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
     full_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     log = open(log_path, "w") if log_path else None  # noqa: SIM115 - closed in finally
-    proc = subprocess.Popen(cmd, env=full_env, start_new_session=True, stdout=log, stderr=subprocess.STDOUT if log
-                            else None)
+    proc = subprocess.Popen(
+        cmd, env=full_env, start_new_session=True, stdout=log, stderr=subprocess.STDOUT if log else None
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(url, proc, timeout_s)

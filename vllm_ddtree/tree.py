@@ -61,8 +61,10 @@ def _check_inputs(topk_logprobs: torch.Tensor, topk_ids: torch.Tensor, budget: i
     if topk_logprobs.shape[1] < 1 or topk_logprobs.shape[2] < 1 or budget < 1:
         raise ValueError(f"need D >= 1, K >= 1 and budget >= 1, got {tuple(topk_logprobs.shape)}, budget={budget}")
     if budget > MAX_TREE_BUDGET:
-        raise ValueError(f"a draft tree holds at most {MAX_TREE_BUDGET} nodes (one int64 ancestor word per node, "
-                         f"root included), got budget={budget}")
+        raise ValueError(
+            f"a draft tree holds at most {MAX_TREE_BUDGET} nodes (one int64 ancestor word per node, "
+            f"root included), got budget={budget}"
+        )
 
 
 def _own_bits(width: int, device: torch.device) -> torch.Tensor:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks on a CUDA machine where vLLM 0.26.0 is importable: install this plugin next to it, then run the
 # gpu-marked tests given as arguments (default: all of them). Logs go to ${OUT:-/tmp/ddtree-gpu}.
-#   bash scripts/device/gpu-check.sh tests/test_ddtree_gpu_e2e.py tests/test_mla_backend_gpu.py
+#   bash scripts/device/gpu-check.sh tests/gpu/test_ddtree_gpu_e2e.py tests/gpu/test_mla_backend_gpu.py
 #   bash scripts/device/gpu-check.sh --install-only
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"

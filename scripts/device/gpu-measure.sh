@@ -51,15 +51,15 @@ jobs_of() {
       echo "1 kernel_mla bench/kernel_mla.py --baselines --variants auto,portable,decode --shapes all" \
            "--out $r/kernel_mla.json" ;;
     tests)
-      echo "0 tests_e2e -m pytest -q -s -m gpu -p no:cacheprovider tests/test_ddtree_gpu_e2e.py tests/test_draft_topk.py"
-      echo "1 tests_kernels -m pytest -q -s -m gpu -p no:cacheprovider --ignore tests/test_ddtree_gpu_e2e.py" \
-           "--ignore tests/test_draft_topk.py tests" ;;
+      echo "0 tests_e2e -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_ddtree_gpu_e2e.py tests/unit/test_draft_topk.py"
+      echo "1 tests_kernels -m pytest -q -s -m gpu -p no:cacheprovider --ignore tests/gpu/test_ddtree_gpu_e2e.py" \
+           "--ignore tests/unit/test_draft_topk.py tests" ;;
     recheck)
-      echo "0 tests_e2e -m pytest -q -s -m gpu -p no:cacheprovider tests/test_context_kv_graphs.py" \
-           "tests/test_ddtree_gpu_e2e.py"
-      echo "0 tests_mla -m pytest -q -s -m gpu -p no:cacheprovider tests/test_mla_backend_gpu.py" \
+      echo "0 tests_e2e -m pytest -q -s -m gpu -p no:cacheprovider tests/unit/test_context_kv_graphs.py" \
+           "tests/gpu/test_ddtree_gpu_e2e.py"
+      echo "0 tests_mla -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_mla_backend_gpu.py" \
            "-k matches_target_and_replays"
-      echo "0 tests_pack -m pytest -q -s -m gpu -p no:cacheprovider tests/test_mla_tree_tail.py -k pack"
+      echo "0 tests_pack -m pytest -q -s -m gpu -p no:cacheprovider tests/kernels/test_mla_tree_tail.py -k pack"
       echo "0 query_pack bench/query_pack.py --out $r/query_pack.json" ;;
     profile)
       echo "0 profile_kimi bench/step_time.py --target kimi-mla --configs dflash ddtree --budgets 8 16 --contexts 32768" \

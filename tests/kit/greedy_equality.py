@@ -24,8 +24,9 @@ def top2_gaps(logprobs: Sequence[Mapping[int, Any]]) -> list[float]:
     return gaps
 
 
-def greedy_with_gaps(llm: Any, prompts: Sequence[Any], params: Any,
-                     batch: int) -> tuple[list[list[int]], list[list[float]]]:
+def greedy_with_gaps(
+    llm: Any, prompts: Sequence[Any], params: Any, batch: int
+) -> tuple[list[list[int]], list[list[float]]]:
     """The reference side of ``compare_greedy``: ``llm.generate`` over ``prompts`` in batches of ``batch`` with
     ``params`` (greedy, ``logprobs=2``), each sequence's tokens and its per-position ``top2_gaps``."""
     tokens: list[list[int]] = []
@@ -50,8 +51,12 @@ class GreedyComparison:
         return not self.clear_divergences
 
 
-def compare_greedy(got: Sequence[Sequence[int]], want: Sequence[Sequence[int]],
-                   gaps: Sequence[Sequence[float]], near_tie: float = NEAR_TIE) -> GreedyComparison:
+def compare_greedy(
+    got: Sequence[Sequence[int]],
+    want: Sequence[Sequence[int]],
+    gaps: Sequence[Sequence[float]],
+    near_tie: float = NEAR_TIE,
+) -> GreedyComparison:
     """Find each sequence's first divergence from the reference and classify it by the reference's gap there."""
     result = GreedyComparison()
     for i, (g, w, m) in enumerate(zip(got, want, gaps, strict=True)):

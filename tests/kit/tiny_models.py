@@ -84,8 +84,9 @@ def _mlp_and_norms(prefix: str, rand: Callable[..., torch.Tensor]) -> dict[str, 
 AttentionWeights = Callable[[str, Callable[..., torch.Tensor]], dict[str, torch.Tensor]]
 
 
-def _layer_weights(prefix: str, rand: Callable[..., torch.Tensor],
-                   attention: AttentionWeights = _qwen3_attention) -> dict[str, torch.Tensor]:
+def _layer_weights(
+    prefix: str, rand: Callable[..., torch.Tensor], attention: AttentionWeights = _qwen3_attention
+) -> dict[str, torch.Tensor]:
     """One decoder layer: ``attention``'s projections (Qwen3 GQA by default), then the MLP and norms."""
     return {**attention(prefix, rand), **_mlp_and_norms(prefix, rand)}
 
@@ -137,18 +138,42 @@ def write_mla_target(path: Path, seed: int = 0, hot_tokens: int = 24) -> Path:
     """A 4-layer DeepseekV3ForCausalLM (MLA, no q-LoRA, dense MLPs only) with the same peaky lm_head as
     ``write_target``; the DFlash drafter of ``write_dflash_drafter`` fits it (same hidden size, vocab, layers)."""
     config = {
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": VOCAB,
-        "hidden_size": HIDDEN, "intermediate_size": FFN, "moe_intermediate_size": FFN,
-        "num_hidden_layers": TARGET_LAYERS, "num_attention_heads": MLA_HEADS, "num_key_value_heads": MLA_HEADS,
-        "n_shared_experts": 1, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
-        "first_k_dense_replace": TARGET_LAYERS, "moe_layer_freq": 1, "routed_scaling_factor": 1.0,
-        "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True,
-        "kv_lora_rank": MLA_KV_LORA_RANK, "q_lora_rank": None, "qk_rope_head_dim": MLA_ROPE_DIM,
-        "qk_nope_head_dim": MLA_NOPE_DIM, "v_head_dim": MLA_V_DIM, "hidden_act": "silu",
-        "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "rope_scaling": None,
-        "attention_bias": False, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-        "bos_token_id": 0, "eos_token_id": 1,
-    }  # fmt: skip
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "vocab_size": VOCAB,
+        "hidden_size": HIDDEN,
+        "intermediate_size": FFN,
+        "moe_intermediate_size": FFN,
+        "num_hidden_layers": TARGET_LAYERS,
+        "num_attention_heads": MLA_HEADS,
+        "num_key_value_heads": MLA_HEADS,
+        "n_shared_experts": 1,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "n_group": 1,
+        "topk_group": 1,
+        "first_k_dense_replace": TARGET_LAYERS,
+        "moe_layer_freq": 1,
+        "routed_scaling_factor": 1.0,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "kv_lora_rank": MLA_KV_LORA_RANK,
+        "q_lora_rank": None,
+        "qk_rope_head_dim": MLA_ROPE_DIM,
+        "qk_nope_head_dim": MLA_NOPE_DIM,
+        "v_head_dim": MLA_V_DIM,
+        "hidden_act": "silu",
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+    }
     return _write_peaky_target(path, seed, hot_tokens, config, _mla_attention)
 
 

@@ -38,10 +38,18 @@ def flash_attention_version() -> int | None:
     return get_flash_attn_version()
 
 
-def flash_context_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                            context_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
-                            max_query_len: int, max_seq_len: int, num_splits: int = 0,
-                            fa_version: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def flash_context_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    num_splits: int = 0,
+    fa_version: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Each request's rows against its context keys only (``context_lens`` = seq_len - q_len), unmasked:
     FlashAttention's output [T, Hq, D] and log-sum-exp [Hq, T]. ``kv_cache`` is the logical Triton layout."""
     from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
@@ -50,10 +58,20 @@ def flash_context_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_t
     key_cache, value_cache = kv_cache.transpose(1, 2).split(head, dim=-1)
     version = fa_version if fa_version is not None else flash_attention_version()
     out, lse = flash_attn_varlen_func(
-        q=query, k=key_cache, v=value_cache, max_seqlen_q=max_query_len, cu_seqlens_q=query_start_loc,
-        max_seqlen_k=max_seq_len, seqused_k=context_lens, softmax_scale=scale, causal=False,
-        block_table=block_table, return_softmax_lse=True, num_splits=num_splits, fa_version=version,
-    )  # fmt: skip
+        q=query,
+        k=key_cache,
+        v=value_cache,
+        max_seqlen_q=max_query_len,
+        cu_seqlens_q=query_start_loc,
+        max_seqlen_k=max_seq_len,
+        seqused_k=context_lens,
+        softmax_scale=scale,
+        causal=False,
+        block_table=block_table,
+        return_softmax_lse=True,
+        num_splits=num_splits,
+        fa_version=version,
+    )
     return out, lse
 
 
@@ -78,7 +96,8 @@ class DDTreeGQAMetadataBuilder(TritonAttentionMetadataBuilder):
         # Under FULL graphs FlashAttention's split count must be bounded at capture (vLLM's own FA backend rule).
         self.graph_num_splits = (
             vllm_config.attention_config.flash_attn_max_num_splits_for_cuda_graph
-            if compilation.cudagraph_mode.has_full_cudagraphs() else 0
+            if compilation.cudagraph_mode.has_full_cudagraphs()
+            else 0
         )
         self.max_graph_tokens = compilation.max_cudagraph_capture_size or 0
 
@@ -116,15 +135,24 @@ class DDTreeGQAImpl(TritonAttentionImpl):
         self.supports_quant_query_input = False
         self.fa_version = flash_attention_version()
 
-    def forward(self, layer: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, attn_metadata: TritonAttentionMetadata, output: torch.Tensor,
-                output_scale: torch.Tensor | None = None,
-                output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        layer: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: TritonAttentionMetadata,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         masks = current_tree_masks()
         if attn_metadata is None or masks is None or masks.token_bits.numel() == 0:
             # Profiling runs, and processes without a DDTree runner: plain causal Triton attention.
-            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
-                                   output_block_scale)
+            return super().forward(
+                layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale
+            )
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("the ddtree GQA backend does not fuse output quantization")
         num_tokens = attn_metadata.num_actual_tokens
@@ -132,15 +160,29 @@ class DDTreeGQAImpl(TritonAttentionImpl):
         context = None
         if self.fa_version is not None and query.dtype in (torch.float16, torch.bfloat16):
             context = flash_context_attention(
-                query, kv_cache, attn_metadata.block_table, attn_metadata.context_lens,
-                attn_metadata.query_start_loc, self.scale, attn_metadata.max_query_len, attn_metadata.max_seq_len,
-                attn_metadata.max_num_splits, self.fa_version,
-            )  # fmt: skip
+                query,
+                kv_cache,
+                attn_metadata.block_table,
+                attn_metadata.context_lens,
+                attn_metadata.query_start_loc,
+                self.scale,
+                attn_metadata.max_query_len,
+                attn_metadata.max_seq_len,
+                attn_metadata.max_num_splits,
+                self.fa_version,
+            )
         gqa_tree_attention(
-            query, kv_cache, attn_metadata.block_table, attn_metadata.seq_lens, attn_metadata.query_start_loc,
-            masks.token_bits[:num_tokens], self.scale, output[:num_tokens].view(num_tokens, self.num_heads, -1),
-            prefix_out=context[0] if context else None, prefix_lse=context[1] if context else None,
-        )  # fmt: skip
+            query,
+            kv_cache,
+            attn_metadata.block_table,
+            attn_metadata.seq_lens,
+            attn_metadata.query_start_loc,
+            masks.token_bits[:num_tokens],
+            self.scale,
+            output[:num_tokens].view(num_tokens, self.num_heads, -1),
+            prefix_out=context[0] if context else None,
+            prefix_lse=context[1] if context else None,
+        )
         return output
 
 

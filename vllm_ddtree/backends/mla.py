@@ -97,9 +97,12 @@ class DDTreeMLAMetadataBuilder(MLACommonMetadataBuilder[DDTreeMLAMetadata]):
 
         self._context_choice = envs.VLLM_DDTREE_MLA_CONTEXT
         self._flashmla_context = flashmla_context(
-            self._context_choice, is_flashmla_dense_supported()[0], kv_cache_spec.block_size,
-            vllm_config.model_config.dtype, vllm_config.cache_config.cache_dtype,
-        )  # fmt: skip
+            self._context_choice,
+            is_flashmla_dense_supported()[0],
+            kv_cache_spec.block_size,
+            vllm_config.model_config.dtype,
+            vllm_config.cache_config.cache_dtype,
+        )
         self._num_heads = vllm_config.model_config.get_num_attention_heads(vllm_config.parallel_config)
         if self._flashmla_context:
             max_reqs = vllm_config.scheduler_config.max_num_seqs
@@ -107,9 +110,16 @@ class DDTreeMLAMetadataBuilder(MLACommonMetadataBuilder[DDTreeMLAMetadata]):
             self._padded_rows = torch.zeros(max_reqs * MAX_TREE_WIDTH, dtype=torch.int64, device=device)
             self._cols = torch.arange(MAX_TREE_WIDTH, dtype=torch.int64, device=device)
 
-    def _build_decode(self, block_table_tensor: torch.Tensor, seq_lens_device: torch.Tensor, max_seq_len: int,
-                      query_start_loc_cpu: torch.Tensor, query_start_loc_device: torch.Tensor,
-                      num_decode_tokens: int, dcp_tot_seq_lens_device: torch.Tensor | None) -> DDTreeMLADecodeMetadata:
+    def _build_decode(
+        self,
+        block_table_tensor: torch.Tensor,
+        seq_lens_device: torch.Tensor,
+        max_seq_len: int,
+        query_start_loc_cpu: torch.Tensor,
+        query_start_loc_device: torch.Tensor,
+        num_decode_tokens: int,
+        dcp_tot_seq_lens_device: torch.Tensor | None,
+    ) -> DDTreeMLADecodeMetadata:
         qsl = query_start_loc_cpu.tolist()
         max_query_len = max((b - a for a, b in zip(qsl[:-1], qsl[1:], strict=True)), default=1)
         if current_tree_masks() is None:  # no DDTree runner writes the words: plain causal decode
@@ -117,9 +127,13 @@ class DDTreeMLAMetadataBuilder(MLACommonMetadataBuilder[DDTreeMLAMetadata]):
             self._causal_bits[:num_decode_tokens].copy_(words, non_blocking=True)
         width = max(1, min(max_query_len, MAX_TREE_WIDTH))
         decode = DDTreeMLADecodeMetadata(
-            block_table=block_table_tensor, seq_lens=seq_lens_device, dcp_tot_seq_lens=dcp_tot_seq_lens_device,
-            query_start_loc=query_start_loc_device, max_query_len=width, causal_token_bits=self._causal_bits,
-        )  # fmt: skip
+            block_table=block_table_tensor,
+            seq_lens=seq_lens_device,
+            dcp_tot_seq_lens=dcp_tot_seq_lens_device,
+            query_start_loc=query_start_loc_device,
+            max_query_len=width,
+            causal_token_bits=self._causal_bits,
+        )
         if self._flashmla_context and split_this_launch(self._context_choice, width, self._num_heads):
             self._plan_flashmla_context(decode, num_decode_tokens, uniform_query_rows(qsl, width))
         return decode
@@ -158,8 +172,13 @@ class DDTreeMLAImpl(MLACommonImpl[DDTreeMLAMetadata]):
             )
         self.supports_quant_query_input = False  # the kernel takes bf16/fp16 queries, fp8 only in the cache
 
-    def forward_mqa(self, q: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kv_c_and_k_pe_cache: torch.Tensor,
-                    attn_metadata: DDTreeMLAMetadata, layer: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward_mqa(
+        self,
+        q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        kv_c_and_k_pe_cache: torch.Tensor,
+        attn_metadata: DDTreeMLAMetadata,
+        layer: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         from vllm_ddtree.kernels import mla_tree_verify
 
         decode = attn_metadata.decode
@@ -174,14 +193,31 @@ class DDTreeMLAImpl(MLACommonImpl[DDTreeMLAMetadata]):
             self._flashmla_context_and_tail(q_nope, q_pe, kv_c_and_k_pe_cache, decode, bits[:num_tokens], out, lse)
             return out, lse
         mla_tree_verify(
-            q_nope, q_pe, kv_c_and_k_pe_cache, decode.block_table, decode.seq_lens, decode.query_start_loc,
-            bits[:num_tokens], self.scale, getattr(layer, "_k_scale_float", 1.0), out, lse, decode.max_query_len,
-        )  # fmt: skip
+            q_nope,
+            q_pe,
+            kv_c_and_k_pe_cache,
+            decode.block_table,
+            decode.seq_lens,
+            decode.query_start_loc,
+            bits[:num_tokens],
+            self.scale,
+            getattr(layer, "_k_scale_float", 1.0),
+            out,
+            lse,
+            decode.max_query_len,
+        )
         return out, lse
 
-    def _flashmla_context_and_tail(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
-                                   decode: DDTreeMLADecodeMetadata, bits: torch.Tensor, out: torch.Tensor,
-                                   lse: torch.Tensor) -> None:
+    def _flashmla_context_and_tail(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_cache: torch.Tensor,
+        decode: DDTreeMLADecodeMetadata,
+        bits: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> None:
         """FlashMLA over each row's context keys (no mask) while the tree tail runs on a second stream, then their
         log-sum-exp merge (``split_verify``)."""
         from vllm.v1.attention.ops.flashmla import flash_mla_with_kvcache
@@ -193,13 +229,31 @@ class DDTreeMLAImpl(MLACommonImpl[DDTreeMLAMetadata]):
         def context_pass() -> tuple[torch.Tensor, torch.Tensor]:
             q = pack_context_query(q_nope, q_pe, decode.padded_rows).view(num_reqs, width, num_heads, -1)
             return flash_mla_with_kvcache(
-                q=q, k_cache=kv_cache.unsqueeze(-2), block_table=decode.block_table,
-                cache_seqlens=decode.context_lens, head_dim_v=MLA_KV_LORA_RANK,
-                tile_scheduler_metadata=decode.flashmla_sched, softmax_scale=self.scale, causal=False,
-            )  # fmt: skip
+                q=q,
+                k_cache=kv_cache.unsqueeze(-2),
+                block_table=decode.block_table,
+                cache_seqlens=decode.context_lens,
+                head_dim_v=MLA_KV_LORA_RANK,
+                tile_scheduler_metadata=decode.flashmla_sched,
+                softmax_scale=self.scale,
+                causal=False,
+            )
 
-        split_verify(context_pass, q_nope, q_pe, kv_cache, decode.block_table, decode.seq_lens,
-                     decode.query_start_loc, bits, self.scale, out, lse, width, self._tail_stream(q_nope.device))
+        split_verify(
+            context_pass,
+            q_nope,
+            q_pe,
+            kv_cache,
+            decode.block_table,
+            decode.seq_lens,
+            decode.query_start_loc,
+            bits,
+            self.scale,
+            out,
+            lse,
+            width,
+            self._tail_stream(q_nope.device),
+        )
 
     def _tail_stream(self, device: torch.device) -> torch.cuda.Stream | None:
         """The tree tail's stream, one per device for all layers (made on first use); None off CUDA."""

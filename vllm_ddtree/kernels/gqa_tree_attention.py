@@ -176,16 +176,39 @@ def _gqa_tree_attn_kernel(
         # log-sum-exp (natural log, [Hq, T]); an empty context reports lse = +-inf and contributes nothing.
         lse = tl.load(prefix_lse_ptr + head * s_lh + row, mask=row_ok, other=float("-inf"))
         seen = (lse == lse) & (lse != float("inf")) & (lse != float("-inf"))
-        prev = tl.load(prefix_out_ptr + row[:, None] * s_pt + head[:, None] * s_ph + d[None, :],
-                       mask=row_ok[:, None] & seen[:, None], other=0.0)
+        prev = tl.load(
+            prefix_out_ptr + row[:, None] * s_pt + head[:, None] * s_ph + d[None, :],
+            mask=row_ok[:, None] & seen[:, None],
+            other=0.0,
+        )
         acc = prev.to(tl.float32)
         m_i = tl.where(seen, lse * _LOG2E, float("-inf"))
         l_i = tl.where(seen, 1.0, 0.0)
         for t in range(first_masked, num_tiles):
             acc, m_i, l_i = _attend_tile(
-                q, acc, m_i, l_i, t, kv_base, bt_row, kv_end, tail, bits, qi, is_tree, s_blk, s_tok, qk_scale,
-                HEAD_D, BLOCK_N, PAGE, True, DOT_PREC, F32_DOT, True,
-            )  # fmt: skip
+                q,
+                acc,
+                m_i,
+                l_i,
+                t,
+                kv_base,
+                bt_row,
+                kv_end,
+                tail,
+                bits,
+                qi,
+                is_tree,
+                s_blk,
+                s_tok,
+                qk_scale,
+                HEAD_D,
+                BLOCK_N,
+                PAGE,
+                True,
+                DOT_PREC,
+                F32_DOT,
+                True,
+            )
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         dst = out_ptr + row[:, None] * s_ot + head[:, None] * s_oh + d[None, :]
         tl.store(dst, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -195,14 +218,52 @@ def _gqa_tree_attn_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     for t in range(t0, tl.minimum(t1, first_masked)):
         acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, t, kv_base, bt_row, kv_end, tail, bits, qi, is_tree, s_blk, s_tok, qk_scale,
-            HEAD_D, BLOCK_N, PAGE, False, DOT_PREC, F32_DOT,
-        )  # fmt: skip
+            q,
+            acc,
+            m_i,
+            l_i,
+            t,
+            kv_base,
+            bt_row,
+            kv_end,
+            tail,
+            bits,
+            qi,
+            is_tree,
+            s_blk,
+            s_tok,
+            qk_scale,
+            HEAD_D,
+            BLOCK_N,
+            PAGE,
+            False,
+            DOT_PREC,
+            F32_DOT,
+        )
     for t in range(tl.maximum(t0, first_masked), t1):
         acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, t, kv_base, bt_row, kv_end, tail, bits, qi, is_tree, s_blk, s_tok, qk_scale,
-            HEAD_D, BLOCK_N, PAGE, True, DOT_PREC, F32_DOT,
-        )  # fmt: skip
+            q,
+            acc,
+            m_i,
+            l_i,
+            t,
+            kv_base,
+            bt_row,
+            kv_end,
+            tail,
+            bits,
+            qi,
+            is_tree,
+            s_blk,
+            s_tok,
+            qk_scale,
+            HEAD_D,
+            BLOCK_N,
+            PAGE,
+            True,
+            DOT_PREC,
+            F32_DOT,
+        )
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
@@ -258,14 +319,15 @@ def _combine_kernel(
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
 
 
-def tile_config(head_d: int, dtype: torch.dtype, group: int, avg_q: int, has_prefix: bool,
-                hopper: bool) -> tuple[int, int, int, int]:
+def tile_config(
+    head_d: int, dtype: torch.dtype, group: int, avg_q: int, has_prefix: bool, hopper: bool
+) -> tuple[int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, num_warps, num_stages)``. M-tile: all heads of the group times as many rows as fit,
     sized from the average q_len (a static hint); smaller for D = 256 and fp32 (no tensor cores with ieee dots).
     8 warps from 64 x 128 tiles up (with 4 the row-gathered K/V addresses spill). 64-key K/V tiles only where they
     fit the registers: Hopper's tree tail (the path measured on the H200). Elsewhere 32 keys, and on sm_80 / sm_120
     whole-context tiles of at most 64 rows: their builds of the larger tiles spill up to 400 bytes a thread
-    (``tests/test_triton_aot.py`` compiles every choice for sm_80, sm_90 and sm_120 and checks for spills)."""
+    (``tests/kernels/test_triton_aot.py`` compiles every choice for sm_80, sm_90 and sm_120 and checks for spills)."""
     wide = head_d > 128 or dtype == torch.float32
     cap = 64 if wide or (not hopper and not has_prefix) else 128
     block_m = max(16, min(cap, triton.next_power_of_2(group * avg_q)), triton.next_power_of_2(group))
@@ -343,22 +405,64 @@ def gqa_tree_attention(
     pre_out = prefix_out if has_prefix else out
     pre_lse = prefix_lse if has_prefix else part_lse
     _gqa_tree_attn_kernel[(num_q_tiles, num_kv_heads, num_splits)](
-        query, kv_cache, block_table, seq_lens, query_start_loc, tree_bits, out, part_out, part_lse, pre_out,
-        pre_lse, num_reqs, num_rows, scale * LOG2E,
-        query.stride(0), query.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-        block_table.stride(0), out.stride(0), out.stride(1), pre_out.stride(0), pre_out.stride(1),
+        query,
+        kv_cache,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        tree_bits,
+        out,
+        part_out,
+        part_lse,
+        pre_out,
+        pre_lse,
+        num_reqs,
+        num_rows,
+        scale * LOG2E,
+        query.stride(0),
+        query.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        block_table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        pre_out.stride(0),
+        pre_out.stride(1),
         prefix_lse.stride(0) if has_prefix else 0,
-        NUM_Q_HEADS=num_q_heads, GROUP=group, HEAD_D=head_d, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_R=triton.next_power_of_2(num_reqs), PAGE=page, NUM_SPLITS=num_splits, DOT_PREC=dot_prec,
-        F32_DOT=f32_dot, HAS_PREFIX=has_prefix, num_warps=num_warps, num_stages=num_stages,
-    )  # fmt: skip
+        NUM_Q_HEADS=num_q_heads,
+        GROUP=group,
+        HEAD_D=head_d,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_R=triton.next_power_of_2(num_reqs),
+        PAGE=page,
+        NUM_SPLITS=num_splits,
+        DOT_PREC=dot_prec,
+        F32_DOT=f32_dot,
+        HAS_PREFIX=has_prefix,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     if num_splits > 1:
         block_h = min(16, triton.next_power_of_2(num_q_heads))
         _combine_kernel[(num_rows, triton.cdiv(num_q_heads, block_h))](
-            part_out, part_lse, query_start_loc, out, num_reqs, num_rows, out.stride(0), out.stride(1),
-            NUM_Q_HEADS=num_q_heads, HEAD_D=head_d, BLOCK_H=block_h, NUM_SPLITS=num_splits,
-            SPLITS_P2=triton.next_power_of_2(num_splits), num_warps=4,
-        )  # fmt: skip
+            part_out,
+            part_lse,
+            query_start_loc,
+            out,
+            num_reqs,
+            num_rows,
+            out.stride(0),
+            out.stride(1),
+            NUM_Q_HEADS=num_q_heads,
+            HEAD_D=head_d,
+            BLOCK_H=block_h,
+            NUM_SPLITS=num_splits,
+            SPLITS_P2=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )
 
 
 def gqa_tree_attention_ref(

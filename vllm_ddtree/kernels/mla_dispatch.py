@@ -66,12 +66,18 @@ DECODE_MAX_ROWS, DECODE_MAX_ROWS_ONE_REQUEST = 32, 64
 CTA_RESERVED_SMEM = 1024
 
 
-def flashmla_context(context: str, flashmla_supported: bool, block_size: int, model_dtype: torch.dtype,
-                     cache_dtype: str) -> bool:
+def flashmla_context(
+    context: str, flashmla_supported: bool, block_size: int, model_dtype: torch.dtype, cache_dtype: str
+) -> bool:
     """Whether FlashMLA may attend decode rows' context keys (first table): vLLM's FlashMLA is usable
     (``flashmla_supported``), a bf16 model and cache in FlashMLA's pages, unless ``context`` is ``ddtree``."""
-    return (context != "ddtree" and flashmla_supported and block_size == FLASHMLA_PAGE
-            and model_dtype == torch.bfloat16 and cache_dtype in ("auto", "bfloat16"))  # fmt: skip
+    return (
+        context != "ddtree"
+        and flashmla_supported
+        and block_size == FLASHMLA_PAGE
+        and model_dtype == torch.bfloat16
+        and cache_dtype in ("auto", "bfloat16")
+    )
 
 
 def split_this_launch(context: str, width: int, num_heads: int) -> bool:
@@ -142,6 +148,9 @@ def mla_launch(device: torch.device, rows: int, batch: int, fp8: bool) -> MlaLau
     variant = envs.VLLM_DDTREE_MLA_VARIANT
     caps = device_caps(device)
     kernel = pick_kernel(variant, rows, batch, caps)
-    return MlaLaunch(kernel=kernel, decode_deep=kernel == MLA_KERNEL_DECODE and decode_deep(variant, caps, fp8),
-                     decode_ctas_per_sm=envs.VLLM_DDTREE_MLA_DECODE_CTAS_PER_SM,
-                     pdl=envs.VLLM_DDTREE_MLA_PDL and caps.major >= 9)  # fmt: skip
+    return MlaLaunch(
+        kernel=kernel,
+        decode_deep=kernel == MLA_KERNEL_DECODE and decode_deep(variant, caps, fp8),
+        decode_ctas_per_sm=envs.VLLM_DDTREE_MLA_DECODE_CTAS_PER_SM,
+        pdl=envs.VLLM_DDTREE_MLA_PDL and caps.major >= 9,
+    )

@@ -32,9 +32,13 @@ from vllm_ddtree.constants import LOG2E, MAX_TREE_WIDTH, MLA_HEAD_DIM, MLA_KV_LO
 # The same numbers as the kernels' compile-time constants.
 _KV_LORA, _ROPE, _LOG2E = tl.constexpr(MLA_KV_LORA_RANK), tl.constexpr(MLA_ROPE_DIM), tl.constexpr(LOG2E)
 # Launch shape: 64 (query, head) rows per program, latent dims in 64-wide slices, 8 warps. Chosen so that no
-# target spills registers (checked ahead of time for sm_80/90/120 by tests/test_triton_aot.py).
+# target spills registers (checked ahead of time for sm_80/90/120 by tests/kernels/test_triton_aot.py).
 BLOCK_M, CHUNK, NUM_WARPS = 64, 64, 8
-V_SPLITS = (1, 4, 8)  # output parts per row tile; 2 would spill registers on sm_80/90/120 (tests/test_triton_aot.py)
+V_SPLITS = (
+    1,
+    4,
+    8,
+)  # output parts per row tile; 2 would spill registers on sm_80/90/120 (tests/kernels/test_triton_aot.py)
 # Output parts by grid size (row tiles of all requests), from bench/launch_sweep.py on the H200: 8 parts paid at 9
 # row tiles (1 request of 9 tree tokens, 64 heads), 4 at 17-64 (1 request of 17-64 tokens, or 16 tokens of 128
 # heads); from 128 tiles (8 x 16 tokens of 64 heads, 32 x 16 of 16 heads) the recomputed scores cost more than the
@@ -43,10 +47,35 @@ SPLIT_8_BELOW, SPLIT_4_UP_TO = 16, 64
 
 
 @triton.jit
-def _mla_tree_tail_kernel(q_nope_ptr, q_pe_ptr, kv_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, bits_ptr, out_ptr, lse_ptr,
-                          qk_scale, s_qn_t, s_qn_h, s_qp_t, s_qp_h, s_blk, s_tok, s_bt, s_o_t, s_o_h, s_l_t,
-                          NUM_HEADS: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
-                          KEYS: tl.constexpr, CHUNK: tl.constexpr, V_SPLIT: tl.constexpr, F32_DOT: tl.constexpr):
+def _mla_tree_tail_kernel(
+    q_nope_ptr,
+    q_pe_ptr,
+    kv_ptr,
+    bt_ptr,
+    seq_lens_ptr,
+    qsl_ptr,
+    bits_ptr,
+    out_ptr,
+    lse_ptr,
+    qk_scale,
+    s_qn_t,
+    s_qn_h,
+    s_qp_t,
+    s_qp_h,
+    s_blk,
+    s_tok,
+    s_bt,
+    s_o_t,
+    s_o_h,
+    s_l_t,
+    NUM_HEADS: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    KEYS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    V_SPLIT: tl.constexpr,
+    F32_DOT: tl.constexpr,
+):
     b = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     v_part = tl.program_id(2) if V_SPLIT > 1 else 0  # a constant 0 unsplit: same code as without parts
@@ -73,15 +102,19 @@ def _mla_tree_tail_kernel(q_nope_ptr, q_pe_ptr, kv_ptr, bt_ptr, seq_lens_ptr, qs
     c = tl.arange(0, CHUNK)
     s = tl.zeros([BLOCK_M, KEYS], tl.float32)
     for c0 in range(0, _KV_LORA, CHUNK):
-        q = tl.load(q_nope_ptr + token[:, None] * s_qn_t + head[:, None] * s_qn_h + c0 + c[None, :],
-                    mask=row_ok[:, None], other=0.0)
+        q = tl.load(
+            q_nope_ptr + token[:, None] * s_qn_t + head[:, None] * s_qn_h + c0 + c[None, :],
+            mask=row_ok[:, None],
+            other=0.0,
+        )
         k = tl.load(k_row[:, None] + c0 + c[None, :], mask=k_ok[:, None], other=0.0)
         if F32_DOT:
             q, k = q.to(tl.float32), k.to(tl.float32)
         s += tl.dot(q, tl.trans(k))
     e = tl.arange(0, _ROPE)
-    q_pe = tl.load(q_pe_ptr + token[:, None] * s_qp_t + head[:, None] * s_qp_h + e[None, :], mask=row_ok[:, None],
-                   other=0.0)
+    q_pe = tl.load(
+        q_pe_ptr + token[:, None] * s_qp_t + head[:, None] * s_qp_h + e[None, :], mask=row_ok[:, None], other=0.0
+    )
     k_pe = tl.load(k_row[:, None] + _KV_LORA + e[None, :], mask=k_ok[:, None], other=0.0)
     p_dtype = k_pe.dtype
     if F32_DOT:
@@ -110,8 +143,11 @@ def _mla_tree_tail_kernel(q_nope_ptr, q_pe_ptr, kv_ptr, bt_ptr, seq_lens_ptr, qs
         if F32_DOT:
             v = v.to(tl.float32)
         acc = tl.dot(p, v)
-        tl.store(out_ptr + token[:, None] * s_o_t + head[:, None] * s_o_h + d0 + c[None, :],
-                 (acc / denom_safe[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(
+            out_ptr + token[:, None] * s_o_t + head[:, None] * s_o_h + d0 + c[None, :],
+            (acc / denom_safe[:, None]).to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None],
+        )
 
 
 def tree_keys(max_query_len: int) -> int:
@@ -126,9 +162,20 @@ def output_parts(programs: int) -> int:
     return 8 if programs < SPLIT_8_BELOW else 4 if programs <= SPLIT_4_UP_TO else 1
 
 
-def mla_tree_tail(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                  seq_lens: torch.Tensor, query_start_loc: torch.Tensor, tree_bits: torch.Tensor, softmax_scale: float,
-                  out: torch.Tensor, lse: torch.Tensor, max_query_len: int, v_split: int | None = None) -> None:
+def mla_tree_tail(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    tree_bits: torch.Tensor,
+    softmax_scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    max_query_len: int,
+    v_split: int | None = None,
+) -> None:
     """Attend each verify row's tree keys only (the request's last ``q_len`` <= 64 keys, bit ``j`` of
     ``tree_bits[t]`` lets row ``t`` see key ``j``); writes the normalised ``out`` ``[T, H, 512]`` (in its dtype) and
     ``lse`` ``[T, H]`` (natural log; -inf for a row that sees no key). bf16/fp16 cache ``[blocks, page, 576]``; no
@@ -136,11 +183,11 @@ def mla_tree_tail(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tens
     ``output_parts`` of the grid."""
     num_reqs, num_heads = seq_lens.shape[0], q_nope.shape[1]
     if not 1 <= max_query_len <= MAX_TREE_WIDTH:
-        raise ValueError(f"mla_tree_tail handles rows of 1..{MAX_TREE_WIDTH} tokens, got max_query_len "
-                         f"{max_query_len}")
+        raise ValueError(f"mla_tree_tail handles rows of 1..{MAX_TREE_WIDTH} tokens, got max_query_len {max_query_len}")
     if kv_cache.dim() != 3 or kv_cache.shape[-1] != MLA_HEAD_DIM or kv_cache.stride(-1) != 1:
-        raise ValueError(f"kv_cache must be [blocks, page, {MLA_HEAD_DIM}], last dim contiguous; got "
-                         f"{tuple(kv_cache.shape)}")
+        raise ValueError(
+            f"kv_cache must be [blocks, page, {MLA_HEAD_DIM}], last dim contiguous; got {tuple(kv_cache.shape)}"
+        )
     if num_reqs == 0 or q_nope.shape[0] == 0:
         return
     tiles = triton.cdiv(max_query_len * num_heads, BLOCK_M)
@@ -149,18 +196,61 @@ def mla_tree_tail(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tens
     if v_split not in V_SPLITS:
         raise ValueError(f"v_split must be one of {V_SPLITS}, got {v_split}")
     _mla_tree_tail_kernel[(num_reqs, tiles, v_split)](
-        q_nope, q_pe, kv_cache, block_table, seq_lens, query_start_loc, tree_bits, out, lse,
-        softmax_scale * LOG2E, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0), out.stride(0), out.stride(1), lse.stride(0),
-        NUM_HEADS=num_heads, PAGE=kv_cache.shape[1], BLOCK_M=BLOCK_M, KEYS=keys, CHUNK=CHUNK, V_SPLIT=v_split,
-        F32_DOT=envs.TRITON_INTERPRET, num_warps=NUM_WARPS,
-    )  # fmt: skip
+        q_nope,
+        q_pe,
+        kv_cache,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        tree_bits,
+        out,
+        lse,
+        softmax_scale * LOG2E,
+        q_nope.stride(0),
+        q_nope.stride(1),
+        q_pe.stride(0),
+        q_pe.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        block_table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        lse.stride(0),
+        NUM_HEADS=num_heads,
+        PAGE=kv_cache.shape[1],
+        BLOCK_M=BLOCK_M,
+        KEYS=keys,
+        CHUNK=CHUNK,
+        V_SPLIT=v_split,
+        F32_DOT=envs.TRITON_INTERPRET,
+        num_warps=NUM_WARPS,
+    )
 
 
 @triton.jit(do_not_specialize=["s_co_b", "s_cl_b", "s_cl_h"])  # move with the step's query length: no recompiles
-def _merge_context_kernel(context_out_ptr, context_lse_ptr, tree_out_ptr, tree_lse_ptr, qsl_ptr, out_ptr, lse_ptr,
-                          s_co_b, s_co_q, s_co_h, s_cl_b, s_cl_h, s_cl_q, s_to_t, s_to_h, s_tl_t, s_o_t, s_o_h, s_l_t,
-                          NUM_HEADS: tl.constexpr, ROWS: tl.constexpr):
+def _merge_context_kernel(
+    context_out_ptr,
+    context_lse_ptr,
+    tree_out_ptr,
+    tree_lse_ptr,
+    qsl_ptr,
+    out_ptr,
+    lse_ptr,
+    s_co_b,
+    s_co_q,
+    s_co_h,
+    s_cl_b,
+    s_cl_h,
+    s_cl_q,
+    s_to_t,
+    s_to_h,
+    s_tl_t,
+    s_o_t,
+    s_o_h,
+    s_l_t,
+    NUM_HEADS: tl.constexpr,
+    ROWS: tl.constexpr,
+):
     b = tl.program_id(0).to(tl.int64)
     q0 = tl.load(qsl_ptr + b).to(tl.int64)
     q_len = tl.load(qsl_ptr + b + 1).to(tl.int64) - q0
@@ -182,24 +272,41 @@ def _merge_context_kernel(context_out_ptr, context_lse_ptr, tree_out_ptr, tree_l
     w_tree = tl.where(t_lse == float("-inf"), 0.0, tl.exp(t_lse - m_safe))
     total = w_context + w_tree
     total_safe = tl.where(total == 0.0, 1.0, total)
-    tl.store(lse_ptr + token * s_l_t + head, tl.where(total == 0.0, float("-inf"), m_safe + tl.log(total_safe)),
-             mask=row_ok)
+    tl.store(
+        lse_ptr + token * s_l_t + head, tl.where(total == 0.0, float("-inf"), m_safe + tl.log(total_safe)), mask=row_ok
+    )
     d = tl.arange(0, _KV_LORA)
-    c_out = tl.load(context_out_ptr + b * s_co_b + qi[:, None] * s_co_q + head[:, None] * s_co_h + d[None, :],
-                    mask=row_ok[:, None] & seen[:, None], other=0.0)
-    t_out = tl.load(tree_out_ptr + token[:, None] * s_to_t + head[:, None] * s_to_h + d[None, :],
-                    mask=row_ok[:, None] & (w_tree[:, None] > 0.0), other=0.0)
+    c_out = tl.load(
+        context_out_ptr + b * s_co_b + qi[:, None] * s_co_q + head[:, None] * s_co_h + d[None, :],
+        mask=row_ok[:, None] & seen[:, None],
+        other=0.0,
+    )
+    t_out = tl.load(
+        tree_out_ptr + token[:, None] * s_to_t + head[:, None] * s_to_h + d[None, :],
+        mask=row_ok[:, None] & (w_tree[:, None] > 0.0),
+        other=0.0,
+    )
     merged = (c_out.to(tl.float32) * w_context[:, None] + t_out.to(tl.float32) * w_tree[:, None]) / total_safe[:, None]
-    tl.store(out_ptr + token[:, None] * s_o_t + head[:, None] * s_o_h + d[None, :],
-             merged.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(
+        out_ptr + token[:, None] * s_o_t + head[:, None] * s_o_h + d[None, :],
+        merged.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
 
 
 MERGE_ROWS, MERGE_WARPS = 8, 4  # (query, head) rows x 512 dims a merge program
 
 
-def merge_context(context_out: torch.Tensor, context_lse: torch.Tensor, tree_out: torch.Tensor,
-                  tree_lse: torch.Tensor, query_start_loc: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                  max_query_len: int) -> None:
+def merge_context(
+    context_out: torch.Tensor,
+    context_lse: torch.Tensor,
+    tree_out: torch.Tensor,
+    tree_lse: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    max_query_len: int,
+) -> None:
     """``out`` / ``lse`` ``[T, H, 512]`` / ``[T, H]`` = the log-sum-exp merge of the context pass (FlashMLA's
     ``[B, s_q, H, 512]`` / ``[B, H, s_q]``; +-inf or NaN lse where a row has no context) and the tree part
     (``mla_tree_tail``'s ``[T, H, 512]`` / ``[T, H]``)."""
@@ -208,20 +315,52 @@ def merge_context(context_out: torch.Tensor, context_lse: torch.Tensor, tree_out
         return
     grid = (num_reqs, triton.cdiv(max_query_len * num_heads, MERGE_ROWS))
     _merge_context_kernel[grid](
-        context_out, context_lse, tree_out, tree_lse, query_start_loc, out, lse,
-        context_out.stride(0), context_out.stride(1), context_out.stride(2),
-        context_lse.stride(0), context_lse.stride(1), context_lse.stride(2),
-        tree_out.stride(0), tree_out.stride(1), tree_lse.stride(0), out.stride(0), out.stride(1), lse.stride(0),
-        NUM_HEADS=num_heads, ROWS=MERGE_ROWS, num_warps=MERGE_WARPS,
-    )  # fmt: skip
+        context_out,
+        context_lse,
+        tree_out,
+        tree_lse,
+        query_start_loc,
+        out,
+        lse,
+        context_out.stride(0),
+        context_out.stride(1),
+        context_out.stride(2),
+        context_lse.stride(0),
+        context_lse.stride(1),
+        context_lse.stride(2),
+        tree_out.stride(0),
+        tree_out.stride(1),
+        tree_lse.stride(0),
+        out.stride(0),
+        out.stride(1),
+        lse.stride(0),
+        NUM_HEADS=num_heads,
+        ROWS=MERGE_ROWS,
+        num_warps=MERGE_WARPS,
+    )
 
 
 PACK_HEADS, PACK_WARPS = 4, 4  # (token, 4 heads) a program: 2,304 elements, 18 a thread
 
 
 @triton.jit
-def _pack_query_kernel(q_nope_ptr, q_pe_ptr, rows_ptr, out_ptr, s_qn_t, s_qn_h, s_qp_t, s_qp_h, s_o_t, s_o_h,
-                       num_heads, NOPE: tl.constexpr, ROPE: tl.constexpr, HEADS: tl.constexpr, GATHER: tl.constexpr):
+def _pack_query_kernel(
+    q_nope_ptr,
+    q_pe_ptr,
+    rows_ptr,
+    out_ptr,
+    s_qn_t,
+    s_qn_h,
+    s_qp_t,
+    s_qp_h,
+    s_o_t,
+    s_o_h,
+    num_heads,
+    NOPE: tl.constexpr,
+    ROPE: tl.constexpr,
+    HEADS: tl.constexpr,
+    GATHER: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     src = tl.load(rows_ptr + t).to(tl.int64) if GATHER else t
     head = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
@@ -241,8 +380,10 @@ def pack_context_query(q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Ten
     absorbed ``q_nope`` as a head-major view transposed to ``[T, H, 512]``, which ``torch.cat`` copied at about a
     sixth of the copy rate (194 us a layer for 1,024 tokens x 64 heads on the H200, 9 % of that verify step)."""
     if q_nope.shape[:2] != q_pe.shape[:2] or q_nope.shape[2] != MLA_KV_LORA_RANK or q_pe.shape[2] != MLA_ROPE_DIM:
-        raise ValueError(f"q_nope [T, H, {MLA_KV_LORA_RANK}] and q_pe [T, H, {MLA_ROPE_DIM}] expected, got "
-                         f"{tuple(q_nope.shape)} and {tuple(q_pe.shape)}")  # fmt: skip
+        raise ValueError(
+            f"q_nope [T, H, {MLA_KV_LORA_RANK}] and q_pe [T, H, {MLA_ROPE_DIM}] expected, got "
+            f"{tuple(q_nope.shape)} and {tuple(q_pe.shape)}"
+        )
     q_nope = q_nope if q_nope.stride(-1) == 1 else q_nope.contiguous()
     q_pe = q_pe if q_pe.stride(-1) == 1 else q_pe.contiguous()
     num_rows, num_heads = (q_nope.shape[0] if rows is None else rows.shape[0]), q_nope.shape[1]
@@ -250,17 +391,41 @@ def pack_context_query(q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Ten
     if num_rows == 0 or num_heads == 0:
         return out
     _pack_query_kernel[(num_rows, triton.cdiv(num_heads, PACK_HEADS))](
-        q_nope, q_pe, q_nope if rows is None else rows, out, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0),
-        q_pe.stride(1), out.stride(0), out.stride(1), num_heads, NOPE=MLA_KV_LORA_RANK, ROPE=MLA_ROPE_DIM,
-        HEADS=PACK_HEADS, GATHER=rows is not None, num_warps=PACK_WARPS,
-    )  # fmt: skip
+        q_nope,
+        q_pe,
+        q_nope if rows is None else rows,
+        out,
+        q_nope.stride(0),
+        q_nope.stride(1),
+        q_pe.stride(0),
+        q_pe.stride(1),
+        out.stride(0),
+        out.stride(1),
+        num_heads,
+        NOPE=MLA_KV_LORA_RANK,
+        ROPE=MLA_ROPE_DIM,
+        HEADS=PACK_HEADS,
+        GATHER=rows is not None,
+        num_warps=PACK_WARPS,
+    )
     return out
 
 
-def split_verify(context_pass: Callable[[], tuple[torch.Tensor, torch.Tensor]], q_nope: torch.Tensor,
-                 q_pe: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                 query_start_loc: torch.Tensor, tree_bits: torch.Tensor, softmax_scale: float, out: torch.Tensor,
-                 lse: torch.Tensor, max_query_len: int, side_stream: torch.cuda.Stream | None) -> None:
+def split_verify(
+    context_pass: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    tree_bits: torch.Tensor,
+    softmax_scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    max_query_len: int,
+    side_stream: torch.cuda.Stream | None,
+) -> None:
     """The whole verify of every row: ``context_pass()`` (FlashMLA over the context keys, returning its out and lse)
     on the current stream while ``mla_tree_tail`` attends the tree keys on ``side_stream``, then ``merge_context``
     on the current stream once both are done. ``side_stream`` None runs the two one after the other (CPU). The tree
@@ -269,23 +434,52 @@ def split_verify(context_pass: Callable[[], tuple[torch.Tensor, torch.Tensor]], 
     tree_out = torch.empty_like(out)
     tree_lse = torch.empty(lse.shape, dtype=torch.float32, device=lse.device)
     if side_stream is None:
-        mla_tree_tail(q_nope, q_pe, kv_cache, block_table, seq_lens, query_start_loc, tree_bits, softmax_scale,
-                      tree_out, tree_lse, max_query_len)  # fmt: skip
+        mla_tree_tail(
+            q_nope,
+            q_pe,
+            kv_cache,
+            block_table,
+            seq_lens,
+            query_start_loc,
+            tree_bits,
+            softmax_scale,
+            tree_out,
+            tree_lse,
+            max_query_len,
+        )
         context_out, context_lse = context_pass()
     else:
         main_stream = torch.cuda.current_stream()
         side_stream.wait_stream(main_stream)  # the step's queries and cache writes are in
         with torch.cuda.stream(side_stream):
-            mla_tree_tail(q_nope, q_pe, kv_cache, block_table, seq_lens, query_start_loc, tree_bits, softmax_scale,
-                          tree_out, tree_lse, max_query_len)  # fmt: skip
+            mla_tree_tail(
+                q_nope,
+                q_pe,
+                kv_cache,
+                block_table,
+                seq_lens,
+                query_start_loc,
+                tree_bits,
+                softmax_scale,
+                tree_out,
+                tree_lse,
+                max_query_len,
+            )
         context_out, context_lse = context_pass()
         main_stream.wait_stream(side_stream)
     merge_context(context_out, context_lse, tree_out, tree_lse, query_start_loc, out, lse, max_query_len)
 
 
-def mla_context_reference(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                          context_lens: torch.Tensor, query_start_loc: torch.Tensor, softmax_scale: float,
-                          max_query_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def mla_context_reference(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    softmax_scale: float,
+    max_query_len: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 stand-in for FlashMLA's context pass (tests): every row of request ``b`` attends its first
     ``context_lens[b]`` keys; returns out ``[B, s_q, H, 512]`` and lse ``[B, H, s_q]`` (+inf where empty, as FlashMLA
     reports it; padded query slots stay 0 / +inf)."""

@@ -21,8 +21,14 @@ from vllm_ddtree.kernels.mla_dispatch import mla_launch
 
 # The extension's translation units, relative to csrc/ (which is also the include root). Every file under csrc/, the
 # headers included, enters the build's cache key.
-SOURCES = ("api/bindings.cpp", "scheduling/sched_kernel.cu", "variants/resident_v.cu", "variants/portable.cu",
-           "variants/decode.cu", "combine/combine.cu")
+SOURCES = (
+    "api/bindings.cpp",
+    "scheduling/sched_kernel.cu",
+    "variants/resident_v.cu",
+    "variants/portable.cu",
+    "variants/decode.cu",
+    "combine/combine.cu",
+)
 _lock = threading.Lock()
 _loaded = False
 
@@ -124,13 +130,17 @@ def mla_tree_verify(
     come from ``mla_dispatch.mla_launch`` (shapes, GPU, ``VLLM_DDTREE_MLA_*`` knobs).
     """
     if q_nope.dim() != 3 or q_nope.shape[-1] != MLA_KV_LORA_RANK or q_pe.shape[-1] != MLA_ROPE_DIM:
-        raise ValueError(f"q_nope must be [T,H,{MLA_KV_LORA_RANK}] and q_pe [T,H,{MLA_ROPE_DIM}], got "
-                         f"{tuple(q_nope.shape)}, {tuple(q_pe.shape)}")
+        raise ValueError(
+            f"q_nope must be [T,H,{MLA_KV_LORA_RANK}] and q_pe [T,H,{MLA_ROPE_DIM}], got "
+            f"{tuple(q_nope.shape)}, {tuple(q_pe.shape)}"
+        )
     if kv_cache.dim() != 3 or kv_cache.shape[-1] != MLA_HEAD_DIM:
         raise ValueError(f"kv_cache must be [blocks, block_size, {MLA_HEAD_DIM}], got {tuple(kv_cache.shape)}")
     if not (softmax_scale > 0 and kv_scale > 0 and math.isfinite(softmax_scale * kv_scale)):
-        raise ValueError(f"softmax_scale and kv_scale must be positive and finite (the kernels take each row's max "
-                         f"over unscaled scores), got {softmax_scale}, {kv_scale}")
+        raise ValueError(
+            f"softmax_scale and kv_scale must be positive and finite (the kernels take each row's max "
+            f"over unscaled scores), got {softmax_scale}, {kv_scale}"
+        )
     if kv_cache.dtype == torch.float8_e4m3fn:
         kv_cache = kv_cache.view(torch.uint8)
     max_q = int(max_query_len) if max_query_len else min(q_nope.shape[0], MAX_TREE_WIDTH)

@@ -28,8 +28,10 @@ def patch_attr(owner: Any, name: str, replacement: Any) -> bool:
     if orig_name in vars(owner):
         return False
     if not hasattr(owner, name):
-        raise RuntimeError(f"vllm-ddtree patches {_qualname(owner)}.{name}, which this vLLM does not have; "
-                           f"install the vLLM version the plugin supports.")  # fmt: skip
+        raise RuntimeError(
+            f"vllm-ddtree patches {_qualname(owner)}.{name}, which this vLLM does not have; "
+            f"install the vLLM version the plugin supports."
+        )
     # An inherited attribute is patched on ``owner`` itself; the original then comes from the base class.
     setattr(owner, orig_name, vars(owner)[name] if name in vars(owner) else getattr(owner, name))
     setattr(owner, name, replacement)

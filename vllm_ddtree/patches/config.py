@@ -151,8 +151,11 @@ def create_speculative_config(self: Any, target_model_config: Any, target_parall
     logger.info(
         "DDTree speculative decoding is on: trees of %d nodes (top-%d per depth, depth <= %d) drafted by the DFlash "
         "drafter %s; vLLM's own logs call the method 'dflash' and count every tree node as a draft token.",
-        ddtree.budget, ddtree.topk, ddtree.max_depth, vllm_dict["model"],
-    )  # fmt: skip
+        ddtree.budget,
+        ddtree.topk,
+        ddtree.max_depth,
+        vllm_dict["model"],
+    )
     return spec_config
 
 

@@ -41,8 +41,9 @@ def _log(self: Any, log_fn: Any = None) -> None:
 
     num_drafts = int(np.sum(self.num_drafts)) if self.num_drafts else 0
     if _active and num_drafts and not self.is_diffusion:
-        line = tree_summary(num_drafts, int(np.sum(self.num_accepted_tokens)), self.accepted_tokens_per_pos_lists,
-                            _active[0])  # fmt: skip
+        line = tree_summary(
+            num_drafts, int(np.sum(self.num_accepted_tokens)), self.accepted_tokens_per_pos_lists, _active[0]
+        )
         (log_fn or logger.info)(line)
     if log_fn is None:
         SpecDecodingLogging._orig_log(self)

@@ -87,16 +87,24 @@ def target_attn_groups(attn_groups: list[list[Any]], draft_layers: set[str]) -> 
     return [[group for group in groups if not set(group.layer_names) <= draft_layers] for groups in attn_groups]
 
 
-def _model_state_prepare_attn(self: Any, input_batch: Any, cudagraph_mode: Any, block_tables: Any,
-                              slot_mappings: Any, attn_groups: Any, kv_cache_config: Any,
-                              for_capture: bool = False) -> Any:
+def _model_state_prepare_attn(
+    self: Any,
+    input_batch: Any,
+    cudagraph_mode: Any,
+    block_tables: Any,
+    slot_mappings: Any,
+    attn_groups: Any,
+    kv_cache_config: Any,
+    for_capture: bool = False,
+) -> Any:
     from vllm.v1.worker.gpu.model_states.default import DefaultModelState
 
     step = getattr(self, "ddtree_step", None)
     if step is not None and step.attn_groups is not None and attn_groups is step.attn_groups[0]:
         attn_groups = step.attn_groups[1]
-    return DefaultModelState._orig_prepare_attn(self, input_batch, cudagraph_mode, block_tables, slot_mappings,
-                                                attn_groups, kv_cache_config, for_capture)
+    return DefaultModelState._orig_prepare_attn(
+        self, input_batch, cudagraph_mode, block_tables, slot_mappings, attn_groups, kv_cache_config, for_capture
+    )
 
 
 def _model_state_add_request(self: Any, req_index: int, new_req_data: Any) -> None:
@@ -121,9 +129,15 @@ def _prepare_attn(self: Any, input_batch: Any) -> Any:
     if isinstance(speculator, DDTreeSpeculator) and masks is not None:
         trees = speculator.step.trees
         write_verify_layout(
-            input_batch.positions, masks.token_bits, input_batch.query_start_loc, input_batch.cu_num_logits,
-            input_batch.idx_mapping, trees.depth, trees.anc_bits, input_batch.num_reqs,
-        )  # fmt: skip
+            input_batch.positions,
+            masks.token_bits,
+            input_batch.query_start_loc,
+            input_batch.cu_num_logits,
+            input_batch.idx_mapping,
+            trees.depth,
+            trees.anc_bits,
+            input_batch.num_reqs,
+        )
     return result
 
 
@@ -149,8 +163,14 @@ def _get_attn_backend_cls(cls: Any, selected_backend: Any, attn_selector_config:
     return CudaPlatform._orig_get_attn_backend_cls(selected_backend, attn_selector_config, num_heads)
 
 
-def install_context_kv_graphs(model: Any, states: torch.Tensor, positions: torch.Tensor, slot_rows: torch.Tensor,
-                              layer_groups: list[int] | None, sizes: Iterable[int]) -> ContextKVGraphs | None:
+def install_context_kv_graphs(
+    model: Any,
+    states: torch.Tensor,
+    positions: torch.Tensor,
+    slot_rows: torch.Tensor,
+    layer_groups: list[int] | None,
+    sizes: Iterable[int],
+) -> ContextKVGraphs | None:
     """Capture ``model``'s context K/V write for ``sizes`` on DFlash's persistent buffers (hidden rows, positions,
     one context-slot row per KV-cache group; ``layer_groups`` maps each drafter layer to its row, None when all
     share row 0) and put the graphs in the write's place (an instance attribute: nothing in vLLM's classes changes;

@@ -20,8 +20,9 @@ from vllm_ddtree.tree import DraftTrees, build_trees
 from vllm_ddtree.v1.step_state import V1StepState, needs_chain
 
 
-def path_context(hidden: torch.Tensor, positions: torch.Tensor, query_start_loc: torch.Tensor,
-                 paths: AcceptedPaths) -> tuple[torch.Tensor, torch.Tensor]:
+def path_context(
+    hidden: torch.Tensor, positions: torch.Tensor, query_start_loc: torch.Tensor, paths: AcceptedPaths
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Drafter context after a tree verify: hidden rows in path order, linear positions (base + row)."""
     batch = paths.num_accepted.shape[0]
     qsl = query_start_loc[: batch + 1].to(torch.int64)
@@ -66,11 +67,20 @@ class DDTreeProposer(DFlashProposer):
             if req_id in requests and requests[req_id].sampling_params is not None
         )
 
-    def propose(self, num_speculative_tokens: int, target_token_ids: torch.Tensor, target_positions: torch.Tensor,
-                target_hidden_states: torch.Tensor, next_token_ids: torch.Tensor,
-                token_indices_to_sample: torch.Tensor | None, common_attn_metadata: Any, sampling_metadata: Any,
-                mm_embed_inputs: Any = None, num_rejected_tokens_gpu: torch.Tensor | None = None,
-                slot_mappings: Any = None) -> torch.Tensor:
+    def propose(
+        self,
+        num_speculative_tokens: int,
+        target_token_ids: torch.Tensor,
+        target_positions: torch.Tensor,
+        target_hidden_states: torch.Tensor,
+        next_token_ids: torch.Tensor,
+        token_indices_to_sample: torch.Tensor | None,
+        common_attn_metadata: Any,
+        sampling_metadata: Any,
+        mm_embed_inputs: Any = None,
+        num_rejected_tokens_gpu: torch.Tensor | None = None,
+        slot_mappings: Any = None,
+    ) -> torch.Tensor:
         self._chain = needs_chain(sampling_metadata, self._has_structured_output(common_attn_metadata.batch_size()))
         paths = self.state.paths
         if paths is not None:
@@ -79,9 +89,17 @@ class DDTreeProposer(DFlashProposer):
             )
             self.state.paths = None
         super().propose(
-            self.ddtree.max_depth, target_token_ids, target_positions, target_hidden_states, next_token_ids,
-            token_indices_to_sample, common_attn_metadata, sampling_metadata, mm_embed_inputs,
-            num_rejected_tokens_gpu, slot_mappings,
+            self.ddtree.max_depth,
+            target_token_ids,
+            target_positions,
+            target_hidden_states,
+            next_token_ids,
+            token_indices_to_sample,
+            common_attn_metadata,
+            sampling_metadata,
+            mm_embed_inputs,
+            num_rejected_tokens_gpu,
+            slot_mappings,
         )
         self.num_speculative_tokens = self.ddtree.budget
         assert self._trees is not None

@@ -46,15 +46,15 @@ def node_choices(logits: torch.Tensor, rows_per_req: torch.Tensor, sampling_meta
 class DDTreeRejectionSamplerV1(RejectionSampler):
     """vLLM's RejectionSampler interface over DDTree's tree walk (V1 runner)."""
 
-    def __init__(self, sampler: Any, spec_config: Any, device: torch.device, state: V1StepState,
-                 runner: Any) -> None:
+    def __init__(self, sampler: Any, spec_config: Any, device: torch.device, state: V1StepState, runner: Any) -> None:
         super().__init__(sampler, spec_config, device)
         self.state = state
         self.runner = runner
         self._compactors: list[tuple[int, Callable[..., None]]] | None = None
 
-    def forward(self, metadata: Any, draft_probs: torch.Tensor | None, logits: torch.Tensor,
-                sampling_metadata: Any) -> SamplerOutput:
+    def forward(
+        self, metadata: Any, draft_probs: torch.Tensor | None, logits: torch.Tensor, sampling_metadata: Any
+    ) -> SamplerOutput:
         batch_trees = self.state.batch
         if batch_trees is None or batch_trees.chain_only:
             # Dummy runs, and batches verified as chains (logprobs, penalties, ...): vLLM's own sampler is exact.
@@ -77,8 +77,14 @@ class DDTreeRejectionSamplerV1(RejectionSampler):
         draft_flat = (draft_start[:, None] + node[None, 1:] - 1).clamp(0, max(drafts.shape[0] - 1, 0))
         node_tokens = torch.where(present[:, 1:], drafts[draft_flat] if drafts.numel() else 0, 0)
 
-        paths = walk_trees(node_tokens, batch_trees.parents[:batch], batch_trees.anc_bits[:batch],
-                           batch_trees.num_nodes[:batch], target_tokens, self.state.config.max_depth)
+        paths = walk_trees(
+            node_tokens,
+            batch_trees.parents[:batch],
+            batch_trees.anc_bits[:batch],
+            batch_trees.num_nodes[:batch],
+            target_tokens,
+            self.state.config.max_depth,
+        )
         self._compact(paths, batch)
         depth = torch.arange(paths.accepted_nodes.shape[1], device=device)
         off_chain = ((paths.accepted_nodes != depth) & (depth <= paths.num_accepted[:, None])).any(dim=1)

@@ -74,8 +74,7 @@ class V1StepState:
         # What actually ran (read by tests and debugging through collective_rpc): steps verified as trees, tree
         # rows that branch, accepted paths that left the first-child chain (their KV was compacted), and steps that
         # verified trees beside rows without drafts (prefill chunks, new requests).
-        self.counters = {"tree_steps": 0, "chain_steps": 0, "branching_rows": 0, "off_chain_paths": 0,
-                         "mixed_steps": 0}
+        self.counters = {"tree_steps": 0, "chain_steps": 0, "branching_rows": 0, "off_chain_paths": 0, "mixed_steps": 0}
 
     def record_proposal(self, req_ids: list[str], trees: DraftTrees) -> None:
         """Remember the trees just proposed, row i belonging to ``req_ids[i]``."""
@@ -92,8 +91,14 @@ class V1StepState:
             return None
         return row
 
-    def begin_step(self, req_ids: list[str], drafts: list[list[int]], positions: torch.Tensor,
-                   query_start: list[int], chain_only: bool = False) -> None:
+    def begin_step(
+        self,
+        req_ids: list[str],
+        drafts: list[list[int]],
+        positions: torch.Tensor,
+        query_start: list[int],
+        chain_only: bool = False,
+    ) -> None:
         """Lay out this step's trees in batch order: depth RoPE positions in place, ancestor masks, walk inputs.
 
         A request whose drafts are not a tree this worker proposed (or that has none), and every request when

@@ -67,8 +67,14 @@ class ContextKVGraphs:
     ``n``. A captured size replays when a call brings exactly those views, else the original runs.
     """
 
-    def __init__(self, precompute: Callable[..., None], states: torch.Tensor, positions: torch.Tensor,
-                 slot_rows: torch.Tensor, slots_for: Callable[[int], Slots]) -> None:
+    def __init__(
+        self,
+        precompute: Callable[..., None],
+        states: torch.Tensor,
+        positions: torch.Tensor,
+        slot_rows: torch.Tensor,
+        slots_for: Callable[[int], Slots],
+    ) -> None:
         self.original = precompute
         self._states = states
         self._positions = positions
@@ -89,16 +95,22 @@ class ContextKVGraphs:
         if not wanted:
             return
         self._slot_rows.fill_(PAD_SLOT_ID)
-        graphs = capture_each(lambda n: self.original(self._states[:n], self._positions[:n], self._slots_for(n)),
-                              wanted)  # fmt: skip
+        graphs = capture_each(
+            lambda n: self.original(self._states[:n], self._positions[:n], self._slots_for(n)), wanted
+        )
         self._graphs = {n: (graph, _views(self._slots_for(n))) for n, graph in graphs.items()}
 
     def __call__(self, states: torch.Tensor, positions: torch.Tensor, slots: Slots = None) -> None:
         n = states.shape[0]
         graph, views = self._graphs.get(n, (None, None))
-        if (graph is not None and views is not None and states.data_ptr() == self._states.data_ptr()
-                and positions.data_ptr() == self._positions.data_ptr() and positions.shape[0] == n
-                and _views(slots) == views):  # fmt: skip
+        if (
+            graph is not None
+            and views is not None
+            and states.data_ptr() == self._states.data_ptr()
+            and positions.data_ptr() == self._positions.data_ptr()
+            and positions.shape[0] == n
+            and _views(slots) == views
+        ):
             graph.replay()
             self.replays += 1
             return
@@ -111,8 +123,9 @@ class CombineGraphs:
     buffer ``states``. ``replay(aux_views)`` replays when the views are exactly ``aux[i][:n]`` of a captured ``n``
     and says whether it did; otherwise the caller combines eagerly as before."""
 
-    def __init__(self, combine: Callable[[torch.Tensor], torch.Tensor], aux: list[torch.Tensor],
-                 states: torch.Tensor) -> None:
+    def __init__(
+        self, combine: Callable[[torch.Tensor], torch.Tensor], aux: list[torch.Tensor], states: torch.Tensor
+    ) -> None:
         self._combine = combine
         self._aux = aux
         self._states = states
@@ -136,9 +149,13 @@ class CombineGraphs:
     def replay(self, aux: list[torch.Tensor]) -> bool:
         n = aux[0].shape[0] if aux else 0
         graph = self._graphs.get(n)
-        if graph is None or len(aux) != len(self._aux) or any(
-            view.data_ptr() != buf.data_ptr() or view.shape != (n, *buf.shape[1:]) or view.stride() != buf.stride()
-            for view, buf in zip(aux, self._aux, strict=True)
+        if (
+            graph is None
+            or len(aux) != len(self._aux)
+            or any(
+                view.data_ptr() != buf.data_ptr() or view.shape != (n, *buf.shape[1:]) or view.stride() != buf.stride()
+                for view, buf in zip(aux, self._aux, strict=True)
+            )
         ):
             return False
         graph.replay()

@@ -59,30 +59,52 @@ class DDTreeRejectionSampler(RejectionSamplerV2):
         draft_sampled = input_batch.input_ids[input_batch.logits_indices]
         pos = input_batch.positions[input_batch.logits_indices]  # each node's own position (base + depth)
         choices, processed_logits = self.sampler.sample(
-            logits, input_batch.expanded_idx_mapping, input_batch.idx_mapping_np, pos, draft_sampled,
+            logits,
+            input_batch.expanded_idx_mapping,
+            input_batch.idx_mapping_np,
+            pos,
+            draft_sampled,
             input_batch.expanded_local_pos,
-        )  # fmt: skip
+        )
         # One launch: row i of a request's verify rows is node i (the root holds the last accepted token).
         assert self._step is not None, "attach() binds the step state after the KV cache is built"
         trees = self._step.trees
         paths, num_sampled = walk_verify_batch(
-            choices, draft_sampled, input_batch.cu_num_logits, input_batch.idx_mapping, trees.parents,
-            trees.anc_bits, trees.num_nodes, self.max_depth,
-        )  # fmt: skip
+            choices,
+            draft_sampled,
+            input_batch.cu_num_logits,
+            input_batch.idx_mapping,
+            trees.parents,
+            trees.anc_bits,
+            trees.num_nodes,
+            self.max_depth,
+        )
         for group_id, compactor in self._compactors:
-            compactor(self._block_tables.slot_mappings[group_id], input_batch.query_start_loc,
-                      paths.accepted_nodes, paths.num_accepted)
+            compactor(
+                self._block_tables.slot_mappings[group_id],
+                input_batch.query_start_loc,
+                paths.accepted_nodes,
+                paths.num_accepted,
+            )
         sampled = paths.output_tokens
         logprobs_tensors = self._get_logprobs_tensors(
-            input_batch, sampled, num_sampled,
+            input_batch,
+            sampled,
+            num_sampled,
             processed_logits if self.sampler.logprobs_mode in ("processed_logprobs", "processed_logits") else logits,
-        )  # fmt: skip
+        )
         num_sampled, num_rejected = get_num_sampled_and_rejected(
-            num_sampled, input_batch.seq_lens, input_batch.cu_num_logits, input_batch.idx_mapping,
+            num_sampled,
+            input_batch.seq_lens,
+            input_batch.cu_num_logits,
+            input_batch.idx_mapping,
             self.sampler.req_states.prefill_len.gpu,
-        )  # fmt: skip
+        )
         self._step.pending_paths = paths
         return SamplerOutputV2(
-            sampled_token_ids=sampled, logprobs_tensors=logprobs_tensors, num_nans=num_nans,
-            num_sampled=num_sampled, num_rejected=num_rejected,
-        )  # fmt: skip
+            sampled_token_ids=sampled,
+            logprobs_tensors=logprobs_tensors,
+            num_nans=num_nans,
+            num_sampled=num_sampled,
+            num_rejected=num_rejected,
+        )

@@ -25,8 +25,9 @@ from vllm_ddtree.v2.step_state import V2StepState
 from vllm_ddtree.v2.verify_layout import restore_path_context
 
 
-def build_trees_with_chains(topk_logprobs: torch.Tensor, topk_ids: torch.Tensor, budget: int,
-                            chain_rows: torch.Tensor) -> DraftTrees:
+def build_trees_with_chains(
+    topk_logprobs: torch.Tensor, topk_ids: torch.Tensor, budget: int, chain_rows: torch.Tensor
+) -> DraftTrees:
     """The batch's trees, except that rows flagged in ``chain_rows`` get the argmax chain: their candidates past
     top-1 score -inf, so the chain's nodes are selected first (nodes 1..D, topological), and their node count is
     capped at the depth so the -inf nodes that fill the budget are never verified. Static shapes, no sync."""
@@ -62,8 +63,9 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.context_kv_graphs: ContextKVGraphs | None = None
         self.combine_graphs: CombineGraphs | None = None
 
-    def _copy_request_inputs(self, num_reqs: int, idx_mapping: torch.Tensor, temperature: torch.Tensor,
-                             seeds: torch.Tensor) -> None:
+    def _copy_request_inputs(
+        self, num_reqs: int, idx_mapping: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor
+    ) -> None:
         super()._copy_request_inputs(num_reqs, idx_mapping, temperature, seeds)
         self.idx_mapping[num_reqs:].fill_(-1)  # padded graph rows write the trash tree row
 
@@ -76,9 +78,13 @@ class DDTreeSpeculator(DFlashSpeculator):
         graph_tokens = self.vllm_config.compilation_config.max_cudagraph_capture_size or self.max_num_tokens
         sizes = decode_context_sizes(self.ddtree.width, self.max_num_reqs, graph_tokens)  # capture drops n > buffers
         self.context_kv_graphs = install_context_kv_graphs(
-            self.model, self.hidden_states, self.context_positions, self._context_slot_mappings,
-            self._layer_group_idx, sizes,
-        )  # fmt: skip
+            self.model,
+            self.hidden_states,
+            self.context_positions,
+            self._context_slot_mappings,
+            self._layer_group_idx,
+            sizes,
+        )
         aux = getattr(self.step.target_cudagraph_manager, "aux_hidden_states", None)
         combine = getattr(self.model, "combine_hidden_states", None)
         self.combine_graphs = None
@@ -86,9 +92,15 @@ class DDTreeSpeculator(DFlashSpeculator):
             self.combine_graphs = CombineGraphs(combine, list(aux), self.hidden_states)
             self.combine_graphs.capture(sizes)
 
-    def _generate_draft(self, num_reqs: int, num_tokens_padded: int, attn_metadata: dict[str, Any] | None,
-                        slot_mappings: dict[str, torch.Tensor] | None, num_tokens_across_dp: torch.Tensor | None,
-                        cudagraph_runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE) -> None:
+    def _generate_draft(
+        self,
+        num_reqs: int,
+        num_tokens_padded: int,
+        attn_metadata: dict[str, Any] | None,
+        slot_mappings: dict[str, torch.Tensor] | None,
+        num_tokens_across_dp: torch.Tensor | None,
+        cudagraph_runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE,
+    ) -> None:
         """The captured drafter step: DFlash pass, per-depth top-k log-probs, trees into the persistent buffers."""
         hidden = self._run_model(
             num_tokens_padded, attn_metadata, slot_mappings, num_tokens_across_dp, cudagraph_runtime_mode
@@ -98,32 +110,69 @@ class DDTreeSpeculator(DFlashSpeculator):
         logprobs, ids = topk_logprobs(logits, topk)
         rows = self.step.trees.rows(self.idx_mapping[:num_reqs])
         trees = build_trees_with_chains(
-            logprobs.view(num_reqs, depth, topk), ids.view(num_reqs, depth, topk), self.ddtree.budget,
+            logprobs.view(num_reqs, depth, topk),
+            ids.view(num_reqs, depth, topk),
+            self.ddtree.budget,
             self.step.trees.chain[rows],
-        )  # fmt: skip
+        )
         self.draft_tokens[:num_reqs] = trees.node_tokens
         self.step.trees.store(self.idx_mapping[:num_reqs], trees)
 
-    def propose(self, input_batch: Any, attn_metadata: dict[str, Any], slot_mappings: dict[str, torch.Tensor],
-                last_hidden_states: torch.Tensor, aux_hidden_states: list[torch.Tensor] | None,
-                num_sampled: torch.Tensor, num_rejected: torch.Tensor, last_sampled: torch.Tensor,
-                next_prefill_tokens: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
-                num_tokens_across_dp: torch.Tensor | None = None, dummy_run: bool = False,
-                skip_attn_for_dummy_run: bool = False, mm_inputs: Any = None, is_profile: bool = False) -> torch.Tensor:
+    def propose(
+        self,
+        input_batch: Any,
+        attn_metadata: dict[str, Any],
+        slot_mappings: dict[str, torch.Tensor],
+        last_hidden_states: torch.Tensor,
+        aux_hidden_states: list[torch.Tensor] | None,
+        num_sampled: torch.Tensor,
+        num_rejected: torch.Tensor,
+        last_sampled: torch.Tensor,
+        next_prefill_tokens: torch.Tensor,
+        temperature: torch.Tensor,
+        seeds: torch.Tensor,
+        num_tokens_across_dp: torch.Tensor | None = None,
+        dummy_run: bool = False,
+        skip_attn_for_dummy_run: bool = False,
+        mm_inputs: Any = None,
+        is_profile: bool = False,
+    ) -> torch.Tensor:
         """Drafter context = the accepted path (linear positions, path-ordered hidden rows), combined from graphs
         where captured, then DFlash + trees."""
         paths = self.step.take_paths()
         if paths is not None and not dummy_run:
             restore_path_context(
-                input_batch.positions, list(aux_hidden_states or [last_hidden_states]), input_batch.query_start_loc,
-                input_batch.cu_num_logits, input_batch.idx_mapping, paths, input_batch.num_reqs,
-            )  # fmt: skip
-        if (aux_hidden_states and not dummy_run and self.combine_graphs is not None
-                and self.combine_graphs.replay(aux_hidden_states)):  # fmt: skip
+                input_batch.positions,
+                list(aux_hidden_states or [last_hidden_states]),
+                input_batch.query_start_loc,
+                input_batch.cu_num_logits,
+                input_batch.idx_mapping,
+                paths,
+                input_batch.num_reqs,
+            )
+        if (
+            aux_hidden_states
+            and not dummy_run
+            and self.combine_graphs is not None
+            and self.combine_graphs.replay(aux_hidden_states)
+        ):
             # The replay wrote DFlash's hidden rows; DFlash's own copy of them onto themselves is a no-op.
             aux_hidden_states, last_hidden_states = None, self.hidden_states
         return super().propose(
-            input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states, num_sampled,
-            num_rejected, last_sampled, next_prefill_tokens, temperature, seeds, num_tokens_across_dp, dummy_run,
-            skip_attn_for_dummy_run, mm_inputs, is_profile,
-        )  # fmt: skip
+            input_batch,
+            attn_metadata,
+            slot_mappings,
+            last_hidden_states,
+            aux_hidden_states,
+            num_sampled,
+            num_rejected,
+            last_sampled,
+            next_prefill_tokens,
+            temperature,
+            seeds,
+            num_tokens_across_dp,
+            dummy_run,
+            skip_attn_for_dummy_run,
+            mm_inputs,
+            is_profile,
+        )

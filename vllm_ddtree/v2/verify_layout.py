@@ -56,23 +56,45 @@ def _verify_layout_kernel(
     tl.store(positions + root + i, new_pos, mask=on_tree)
 
 
-def write_verify_layout(positions: torch.Tensor, token_bits: torch.Tensor, query_start_loc: torch.Tensor,
-                        cu_num_logits: torch.Tensor, idx_mapping: torch.Tensor, tree_depth: torch.Tensor,
-                        tree_anc: torch.Tensor, num_reqs: int) -> None:
+def write_verify_layout(
+    positions: torch.Tensor,
+    token_bits: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    cu_num_logits: torch.Tensor,
+    idx_mapping: torch.Tensor,
+    tree_depth: torch.Tensor,
+    tree_anc: torch.Tensor,
+    num_reqs: int,
+) -> None:
     """Depth positions of every tree row in place, and the per-token ancestor words of the whole batch."""
     if num_reqs == 0:
         return
     if tree_depth.stride() != tree_anc.stride() or tree_anc.stride(-1) != 1:
         raise ValueError("tree_depth and tree_anc must be row-major buffers of one shape")
     _verify_layout_kernel[(num_reqs,)](
-        positions, token_bits, query_start_loc, cu_num_logits, idx_mapping, tree_depth, tree_anc, tree_anc.stride(0),
-        MAX_W=MAX_TREE_WIDTH, num_warps=1,
-    )  # fmt: skip
+        positions,
+        token_bits,
+        query_start_loc,
+        cu_num_logits,
+        idx_mapping,
+        tree_depth,
+        tree_anc,
+        tree_anc.stride(0),
+        MAX_W=MAX_TREE_WIDTH,
+        num_warps=1,
+    )
 
 
-def verify_layout_reference(positions: torch.Tensor, token_bits: torch.Tensor, query_start_loc: torch.Tensor,
-                            cu_num_logits: torch.Tensor, idx_mapping: torch.Tensor, tree_depth: torch.Tensor,
-                            tree_anc: torch.Tensor, num_reqs: int) -> None:
+def verify_layout_reference(
+    positions: torch.Tensor,
+    token_bits: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    cu_num_logits: torch.Tensor,
+    idx_mapping: torch.Tensor,
+    tree_depth: torch.Tensor,
+    tree_anc: torch.Tensor,
+    num_reqs: int,
+) -> None:
     """Plain-Python reference of ``write_verify_layout`` (same in-place effect)."""
     causal = causal_bits(MAX_TREE_WIDTH, positions.device)
     for b in range(num_reqs):
@@ -91,9 +113,25 @@ MAX_HIDDENS = 4  # hidden tensors per launch of the path-context kernel (DFlash 
 
 
 @triton.jit
-def _path_context_kernel(positions, h0, h1, h2, h3, row_stride, dim, query_start_loc, cu_num_logits, idx_mapping,
-                         accepted_nodes, acc_stride, num_accepted, NUM_H: tl.constexpr, RESTORE: tl.constexpr,
-                         MAX_W: tl.constexpr, BLOCK: tl.constexpr):
+def _path_context_kernel(
+    positions,
+    h0,
+    h1,
+    h2,
+    h3,
+    row_stride,
+    dim,
+    query_start_loc,
+    cu_num_logits,
+    idx_mapping,
+    accepted_nodes,
+    acc_stride,
+    num_accepted,
+    NUM_H: tl.constexpr,
+    RESTORE: tl.constexpr,
+    MAX_W: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """Program (request, column chunk): with RESTORE, chunk 0 gives the request's tree rows their linear positions
     back; then in each of the NUM_H hidden tensors, rows root+1..root+a take the rows of the path's nodes in depth
     order. In place without a copy: the node at depth ``k`` has index ``>= k`` (parents precede children), so a row
@@ -124,9 +162,15 @@ def _path_context_kernel(positions, h0, h1, h2, h3, row_stride, dim, query_start
             tl.store(h + dst, tl.load(h + src, mask=mask), mask=mask)
 
 
-def restore_path_context(positions: torch.Tensor, hiddens: list[torch.Tensor], query_start_loc: torch.Tensor,
-                         cu_num_logits: torch.Tensor, idx_mapping: torch.Tensor, paths: AcceptedPaths,
-                         num_reqs: int) -> None:
+def restore_path_context(
+    positions: torch.Tensor,
+    hiddens: list[torch.Tensor],
+    query_start_loc: torch.Tensor,
+    cu_num_logits: torch.Tensor,
+    idx_mapping: torch.Tensor,
+    paths: AcceptedPaths,
+    num_reqs: int,
+) -> None:
     """The drafter's context after a tree verify, in place: every tree row's linear position back (``base + i``,
     undoing ``write_verify_layout``), and in each hidden tensor ``[tokens, dim]`` the accepted path's rows in path
     order (the torch reference is a gather through ``path_permutation``). One launch per ``MAX_HIDDENS`` hidden
@@ -136,15 +180,34 @@ def restore_path_context(positions: torch.Tensor, hiddens: list[torch.Tensor], q
     groups = [hiddens[i : i + MAX_HIDDENS] for i in range(0, len(hiddens), MAX_HIDDENS)] or [[]]
     for n, group in enumerate(groups):
         first = group[0] if group else positions
-        if any(h.stride(-1) != 1 or h.stride(0) != first.stride(0) or h.shape[-1] != first.shape[-1]
-               or h.dtype != first.dtype for h in group):  # fmt: skip
-            raise ValueError("restore_path_context needs hidden tensors of one dtype, width and row stride, with a "
-                             "contiguous last dim")  # fmt: skip
+        if any(
+            h.stride(-1) != 1
+            or h.stride(0) != first.stride(0)
+            or h.shape[-1] != first.shape[-1]
+            or h.dtype != first.dtype
+            for h in group
+        ):
+            raise ValueError(
+                "restore_path_context needs hidden tensors of one dtype, width and row stride, with a "
+                "contiguous last dim"
+            )
         dim = first.shape[-1] if group else 0
         block = min(triton.next_power_of_2(max(dim, 1)), 1024)
         slots = [*group, *[first] * (MAX_HIDDENS - len(group))]
         _path_context_kernel[(num_reqs, max(triton.cdiv(dim, block), 1))](
-            positions, *slots, first.stride(0), dim, query_start_loc, cu_num_logits, idx_mapping,
-            paths.accepted_nodes, paths.accepted_nodes.stride(0), paths.num_accepted,
-            NUM_H=len(group), RESTORE=n == 0, MAX_W=MAX_TREE_WIDTH, BLOCK=block, num_warps=4,
-        )  # fmt: skip
+            positions,
+            *slots,
+            first.stride(0),
+            dim,
+            query_start_loc,
+            cu_num_logits,
+            idx_mapping,
+            paths.accepted_nodes,
+            paths.accepted_nodes.stride(0),
+            paths.num_accepted,
+            NUM_H=len(group),
+            RESTORE=n == 0,
+            MAX_W=MAX_TREE_WIDTH,
+            BLOCK=block,
+            num_warps=4,
+        )
