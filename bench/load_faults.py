@@ -13,7 +13,7 @@ float32 on vLLM-CPU), and runs three phases:
    ``cache_salt`` so no phase reuses another's prefix-cache blocks: the reference and the after-phase compute
    every token the same way, and only a fault (stale state left by an aborted or preempted request) can change them;
 2. load + faults: ``--streams`` concurrent clients (started within ``--ramp`` s) with mixed parameters (greedy,
-   temperature / top-p / top-k, seeded, logprobs, penalties, n=2, stop strings, min_p + min_tokens; streaming and
+   temperature / top-p / top-k, seeded, logprobs, penalties, n=2, stop strings, min_tokens + top-k; streaming and
    not); ``--abort-fraction`` of them abort mid-request (a stream closes after 1-6 chunks, a plain request is
    cancelled after a random delay up to ``--abort-max-delay`` s). Recorded per request: HTTP status, in-stream
    error events, unexpected connection drops, time to first token (streams), end-to-end latency, output tokens;
@@ -46,8 +46,10 @@ import math
 import os
 import random
 import re
+import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import urllib.error
@@ -69,7 +71,8 @@ PAIRS = {"mla": ("stdlib-mla-tiny", "stdlib-mla-tiny-dflash"), "gqa": ("stdlib-q
 PROMPTS = MODELS / "heldout_prompts.json"
 SERVED = "ddtree"
 BUDGET = 15
-KINDS = ["greedy", "sampled", "seeded", "logprobs", "penalties", "n2", "stop", "min_p"]
+# No min_p or logit_bias: vLLM 0.26 refuses both with any speculative decoding (SamplingParams._validate_spec_decode).
+KINDS = ["greedy", "sampled", "seeded", "logprobs", "penalties", "n2", "stop", "min_tokens"]
 # A cache of one max_model_len request plus this margin: vLLM refuses to start below one request.
 PREEMPT_MARGIN = 1.1
 # The load should want this many times the preempt cache: output tokens x streams / this >= the cache.
@@ -147,8 +150,8 @@ def log_tail(log_path: Path, lines: int = 40) -> str:
 
 
 class EngineWatch:
-    """The API server process and its engine-core children: a process that was alive when the server became
-    healthy and is gone at a check is an engine death (vLLM does not restart engines)."""
+    """The API server process and its engine-core (and, on vLLM-CPU, worker) children: a process that was alive
+    when the server became healthy and is gone at a check is an engine death (vLLM does not restart engines)."""
 
     def __init__(self, proc: Any) -> None:
         import psutil
@@ -156,17 +159,30 @@ class EngineWatch:
         self.proc = proc
         self.psutil = psutil
         self.pids = [proc.pid]
+        self.children: list[Any] = []
         try:
-            for child in psutil.Process(proc.pid).children(recursive=True):
+            self.children = psutil.Process(proc.pid).children(recursive=True)
+            for child in self.children:
                 try:
-                    if "EngineCore" in " ".join(child.cmdline()) or "EngineCore" in child.name():
+                    title = " ".join(child.cmdline()) + " " + child.name()
+                    if "EngineCore" in title or "VLLM::Worker" in title:
                         self.pids.append(child.pid)
                 except psutil.Error:
                     continue
         except psutil.Error:
             pass
-        self.engine_cores = len(self.pids) - 1
+        self.engine_processes = len(self.pids) - 1
         self.dead: set[int] = set()
+
+    def reap(self) -> None:
+        """Kill the server's children that outlived it (after an engine death the API server may exit first);
+        ``is_running`` compares start times, so a recycled pid is left alone."""
+        for child in self.children:
+            try:
+                if child.is_running():
+                    child.kill()
+            except self.psutil.Error:
+                continue
 
     def check(self) -> list[int]:
         """Pids dead so far (cumulative)."""
@@ -237,7 +253,7 @@ def plan_load(args: argparse.Namespace, prompts: list[list[int]], seed: int) -> 
                 "n2": lambda: {"temperature": 0.8, "n": 2},
                 "stop": lambda: {"temperature": rng.choice([0.0, 0.7]), "stop": ["\n\n", "return "],
                                  "include_stop_str_in_output": rng.random() < 0.5},
-                "min_p": lambda: {"temperature": 0.9, "min_p": 0.05, "min_tokens": 4},
+                "min_tokens": lambda: {"temperature": 0.9, "top_k": 20, "min_tokens": 8},
             }[kind]())  # fmt: skip
         max_tokens = rng.randint(max(1, args.max_tokens // 4), args.max_tokens)
         body.update({"model": SERVED, "prompt": prompt, "max_tokens": max_tokens, "return_token_ids": True,
@@ -386,13 +402,17 @@ async def greedy_set(url: str, prompts: list[list[int]], max_tokens: int, salt: 
                 statuses.append(0)
                 tokens.append(None)
                 print(f"  greedy request {i} failed: {type(e).__name__}: {e}", flush=True)
+                if isinstance(e, asyncio.TimeoutError):  # a stuck server: the other prompts would wait as long
+                    statuses += [0] * (len(prompts) - i - 1)
+                    tokens += [None] * (len(prompts) - i - 1)
+                    break
     return {"tokens": tokens, "statuses": statuses}
 
 
-async def wait_drained(url: str, limit_s: float) -> tuple[bool, float, float]:
+async def wait_drained(url: str, limit_s: float) -> tuple[bool, float, float | None]:
     """Wait until the server has no running or waiting request: aborted requests must be freed, not leaked."""
     t0 = time.perf_counter()
-    left = math.nan
+    left = None
     while time.perf_counter() - t0 < limit_s:
         rows = await asyncio.to_thread(read_metrics, url)
         if rows:
@@ -464,7 +484,19 @@ def summarize_load(outcomes: list[Outcome], wall: float, reference: list[list[in
         "ttft_p99_s": _r(percentile(ttfts, 99)),
         "greedy_under_load": {"compared": compared, "equal": equal},
         "errors": dict(errors.most_common(10)),
+        "anomalies": [_anomaly(o, p) for o, p in zip(outcomes, plans, strict=True) if _is_anomaly(o)][:50],
     }
+
+
+def _is_anomaly(o: Outcome) -> bool:
+    return o.drop or o.timeout or o.stream_error_code is not None or (o.status is not None and o.status != 200)
+
+
+def _anomaly(o: Outcome, plan: dict[str, Any]) -> dict[str, Any]:
+    """A request that went wrong, with what it asked for (the prompt as its length)."""
+    body = {k: v for k, v in plan["body"].items() if k not in ("prompt", "model", "return_token_ids")}
+    row = {k: v for k, v in vars(o).items() if k != "token_ids"}
+    return {**row, "prompt_len": len(plan["body"]["prompt"]), "body": body, "abort": plan["abort"]}
 
 
 def _r(x: float | None) -> float | None:
@@ -483,6 +515,7 @@ def run_server(pair: str, mode: str, args: argparse.Namespace, gpu: bool, extra:
         env["VLLM_USE_V2_MODEL_RUNNER"] = "1"  # the plugin sets it too; explicit, as the other benches do
     rec: dict[str, Any] = {"pair": pair, "run": mode, "server_args": [_rel(a) for a in cmd], "log": log_path.name}
     t_start = time.perf_counter()
+    watch: EngineWatch | None = None
     print(f"[{pair}/{mode}] starting the server: {' '.join(rec['server_args'])}", flush=True)
     try:
         with openai_server_process(cmd, env=env, timeout_s=startup_timeout, log_path=str(log_path)) as (url, proc):
@@ -493,14 +526,18 @@ def run_server(pair: str, mode: str, args: argparse.Namespace, gpu: bool, extra:
             blocks = _int(info.get("num_gpu_blocks"))
             rec["kv_cache"] = {"block_size": _int(info.get("block_size")), "num_blocks": blocks,
                                "tokens": log_kv_tokens(log_path)}  # fmt: skip
-            rec["engine_core_processes"] = watch.engine_cores
+            rec["engine_processes"] = watch.engine_processes
             print(f"[{pair}/{mode}] up in {rec['startup_s']} s; max_model_len {rec['max_model_len']}, KV cache "
                   f"{rec['kv_cache']}", flush=True)  # fmt: skip
             checks = [phase_check(url, watch, "start")]
             ref = asyncio.run(greedy_set(url, ref_prompts, args.ref_tokens, f"{mode}-ref", args.timeout))
+            # The same again on the idle server: a greedy change after the load only counts if this one is equal.
+            again = asyncio.run(greedy_set(url, ref_prompts, args.ref_tokens, f"{mode}-ref2", args.timeout))
             checks.append(phase_check(url, watch, "reference"))
             before = read_metrics(url)
             print(f"[{pair}/{mode}] load: {len(plans)} clients", flush=True)
+            if args.kill_engine and len(watch.pids) > 1:  # self-test of the fault accounting
+                threading.Timer(args.ramp, os.kill, (watch.pids[1], signal.SIGKILL)).start()
             outcomes, wall = asyncio.run(load_phase(url, plans, args.timeout))
             drained, drain_s, left = asyncio.run(wait_drained(url, min(60.0, args.timeout)))
             after_load = read_metrics(url)
@@ -515,12 +552,13 @@ def run_server(pair: str, mode: str, args: argparse.Namespace, gpu: bool, extra:
         rec["wall_s"] = round(time.perf_counter() - t_start, 1)
         print(f"[{pair}/{mode}] FAILED: {rec['error']}\n--- server log tail ---\n{log_tail(log_path)}", flush=True)
         return rec
+    finally:
+        if watch is not None:
+            watch.reap()
     rec.update(summarize_load(outcomes, wall, ref["tokens"], plans))
     mismatch = [i for i, (a, b) in enumerate(zip(ref["tokens"], after["tokens"], strict=True)) if a is None or a != b]
     rec.update({
         "drained": drained, "drain_s": round(drain_s, 2), "requests_left": left,
-        "server_aborts": metric_sum(after_load, "vllm:request_success_total", finished_reason="abort")
-        - metric_sum(before, "vllm:request_success_total", finished_reason="abort"),
         "preemptions_load": metric_sum(after_load, "vllm:num_preemptions_total")
         - metric_sum(before, "vllm:num_preemptions_total"),
         "preemptions": metric_sum(end, "vllm:num_preemptions_total"),
@@ -529,6 +567,7 @@ def run_server(pair: str, mode: str, args: argparse.Namespace, gpu: bool, extra:
         "health_ok": all(c["health"] == 200 for c in checks),
         "engine_deaths": len(checks[-1]["dead_pids"]),
         "greedy_statuses": {"reference": ref["statuses"], "after": after["statuses"]},
+        "reference_reproducible": ref["tokens"] == again["tokens"] and None not in ref["tokens"],
         "greedy_unchanged": not mismatch,
         "greedy_mismatch_prompts": mismatch,
         "reference_tokens": ref["tokens"],
@@ -570,16 +609,21 @@ def failures(rec: dict[str, Any]) -> list[str]:
     if not rec["drained"]:
         out.append(f"{label}: {rec['requests_left']} requests still running/waiting {rec['drain_s']} s after the load")
     if not rec["greedy_unchanged"]:
-        out.append(f"{label}: greedy outputs changed for prompts {rec['greedy_mismatch_prompts']}")
+        why = (
+            "" if rec["reference_reproducible"] else " (but the reference itself did not reproduce on the idle server)"
+        )
+        out.append(f"{label}: greedy outputs changed for prompts {rec['greedy_mismatch_prompts']}{why}")
     if rec["run"] == "preempt" and not rec["preemptions"]:
         out.append(f"{label}: no preemption happened (the check did not run)")
     return out
 
 
 def preempt_extra(args: argparse.Namespace, first: dict[str, Any] | None, gpu: bool) -> tuple[list[str], dict]:
-    """Server flags for the preempt run: a KV cache of ~1.1 max_model_len requests, from the first run's block
-    size (its log's token capacity / its block count) and max_model_len; a smaller max_model_len when the load
-    could not overflow even that."""
+    """Server flags for the preempt run: a KV cache of ~1.1 max_model_len requests plus two blocks (the override
+    counts vLLM's null block, and one request that cannot fit alone is preempted forever instead of failing), from
+    the first run's block size (its log's token capacity / its block count) and max_model_len. When the load could
+    not overflow that, a smaller max_model_len, and on vLLM-CPU 32-token blocks instead of 128 (a request only
+    preempts when it needs another block, and a short CPU request never leaves its first one)."""
     kv = (first or {}).get("kv_cache") or {}
     block = kv.get("block_size") or (16 if gpu else 128)
     if kv.get("tokens") and kv.get("num_blocks"):
@@ -603,8 +647,10 @@ def preempt_extra(args: argparse.Namespace, first: dict[str, Any] | None, gpu: b
         )
         mml = new
         extra += ["--max-model-len", str(mml)]
-    tokens = max(math.ceil(PREEMPT_MARGIN * mml), pressure)
-    blocks = args.preempt_blocks or math.ceil(tokens / block)
+        if not gpu:
+            block = 32
+            extra += ["--block-size", str(block)]
+    blocks = args.preempt_blocks or max(math.ceil(PREEMPT_MARGIN * mml / block) + 2, math.ceil(pressure / block))
     extra += ["--num-gpu-blocks-override", str(blocks)]
     return extra, {"block_size": block, "blocks": blocks, "tokens": blocks * block, "max_model_len": mml,
                    "note": note}  # fmt: skip
@@ -618,19 +664,25 @@ def _prompts() -> list[list[int]]:
 # Main
 
 
+COLUMNS = ["pair/run", "reqs", "aborted", "5xx", "drops", "deaths", "preempt", "tok/s", "lat p50", "lat p99",
+           "ttft p50", "ttft p99", "greedy"]  # fmt: skip
+
+
+def table_row(r: dict[str, Any]) -> str:
+    """One run as a row of the stdout table."""
+    if "error" in r:
+        return f"{r['pair'] + '/' + r['run']:>12} | failed: {r['error']}"
+    cells = [f"{r['pair']}/{r['run']}", r["requests"], r["aborted"], r["http_5xx"] + r["stream_5xx"],
+             r["unexpected_drops"], r["engine_deaths"], int(r["preemptions"]), r["throughput_tok_s"],
+             r["latency_p50_s"], r["latency_p99_s"], r["ttft_p50_s"], r["ttft_p99_s"],
+             "same" if r["greedy_unchanged"] else f"DIFF {r['greedy_mismatch_prompts']}"]  # fmt: skip
+    return " | ".join(f"{'-' if c is None else c!s:>{12 if i == 0 else 8}}" for i, c in enumerate(cells))
+
+
 def print_table(records: list[dict[str, Any]]) -> None:
-    cols = ["pair/run", "reqs", "abort", "5xx", "drops", "deaths", "preempt", "tok/s", "lat p50", "lat p99",
-            "ttft p50", "ttft p99", "greedy"]  # fmt: skip
-    print(" | ".join(f"{c:>9}" for c in cols))
+    print(" | ".join(f"{c:>{12 if i == 0 else 8}}" for i, c in enumerate(COLUMNS)))
     for r in records:
-        if "error" in r:
-            print(f"{r['pair'] + '/' + r['run']:>9} | failed: {r['error']}")
-            continue
-        cells = [f"{r['pair']}/{r['run']}", r["requests"], r["aborted"], r["http_5xx"] + r["stream_5xx"],
-                 r["unexpected_drops"], r["engine_deaths"], int(r["preemptions"]), r["throughput_tok_s"],
-                 r["latency_p50_s"], r["latency_p99_s"], r["ttft_p50_s"], r["ttft_p99_s"],
-                 "same" if r["greedy_unchanged"] else f"DIFF {r['greedy_mismatch_prompts']}"]  # fmt: skip
-        print(" | ".join(f"{'-' if c is None else c!s:>9}" for c in cells))
+        print(table_row(r))
 
 
 def gpu_slug(name: str) -> str:
@@ -664,6 +716,8 @@ def main() -> int:
                         "many seconds of the start (estimated from the runs so far)")  # fmt: skip
     parser.add_argument("--log-dir", type=Path, default=None, help="server logs (default: a temporary directory)")
     parser.add_argument("--out", type=Path, default=None, help="default: bench/results/load_faults_<gpu>.json")
+    parser.add_argument("--kill-engine", action="store_true", help="self-test: SIGKILL the engine core once the load "
+                        "has started (the run must then fail with engine deaths)")  # fmt: skip
     args = parser.parse_args()
     t0 = time.perf_counter()
 
@@ -680,7 +734,9 @@ def main() -> int:
             parser.error(f"unknown pair {p!r}; choose from {', '.join(PAIRS)}")
     doc: dict[str, Any] = {"meta": meta, "config": {
         "device": meta["gpu"] if gpu else "cpu", "dtype": "bfloat16" if gpu else "float32", "budget": BUDGET,
-        **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("out", "log_dir")}},
+        **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("out", "log_dir")},
+        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("VLLM_", "DDTREE_")) and
+                "KEY" not in k and "TOKEN" not in k}},
         "pairs": {}, "failures": []}  # fmt: skip
     records: list[dict[str, Any]] = []
 
@@ -688,7 +744,7 @@ def main() -> int:
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text(json.dumps(doc, indent=1) + "\n")
 
-    longest = 0.0
+    walls: dict[str, float] = {}  # per mode, the latest run's wall time: the estimate for the next of that mode
     for pair in pairs:
         entry: dict[str, Any] = doc["pairs"].setdefault(pair, {"runs": {}})
         if pair == "mla" and not gpu:
@@ -698,8 +754,9 @@ def main() -> int:
         first: dict[str, Any] | None = None
         for mode in ["default", "preempt"] if args.preempt else ["default"]:
             elapsed = time.perf_counter() - t0
-            if args.deadline and elapsed + longest > args.deadline:
-                entry["runs"][mode] = {"skipped": f"deadline: {elapsed:.0f} s gone, runs take up to {longest:.0f} s"}
+            estimate = walls.get(mode, max(walls.values(), default=0.0))
+            if args.deadline and elapsed + estimate > args.deadline:
+                entry["runs"][mode] = {"skipped": f"deadline: {elapsed:.0f} s gone, the run takes ~{estimate:.0f} s"}
                 doc["failures"].append(f"{pair}/{mode}: skipped at the deadline")
                 print(f"[{pair}/{mode}] skipped: {entry['runs'][mode]['skipped']}", flush=True)
                 save()
@@ -715,7 +772,8 @@ def main() -> int:
                 rec["preempt_cache"] = plan
             if mode == "default":
                 first = rec
-            longest = max(longest, rec.get("wall_s", 0.0))
+            walls[mode] = rec.get("wall_s", 0.0)
+            print(f"[{pair}/{mode}] done in {rec.get('wall_s')} s: {table_row(rec)}", flush=True)
             records.append(rec)
             entry["runs"][mode] = {k: v for k, v in rec.items() if k != "reference_tokens"}
             doc["failures"] += failures(rec)
