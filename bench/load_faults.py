@@ -80,6 +80,8 @@ KINDS = ["greedy", "sampled", "seeded", "logprobs", "penalties", "n2", "stop", "
 PREEMPT_MARGIN = 1.1
 # The load should want this many times the preempt cache: output tokens x streams / this >= the cache.
 PREEMPT_PRESSURE = 8
+# The config of every earlier GPU measurement (no torch.compile, FULL decode graphs): --fallback's retry.
+FALLBACK_CC = ["--compilation-config", json.dumps({"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -554,6 +556,8 @@ def run_server(pair: str, mode: str, args: argparse.Namespace, gpu: bool, extra:
     except Exception as e:  # noqa: BLE001 - a server that cannot start is this run's result; the others still run
         traceback.print_exc()
         rec["error"] = f"{type(e).__name__}: {e}"
+        rec["startup_failed"] = "startup_s" not in rec
+        rec["log_tail"] = log_tail(log_path, 30)
         rec["wall_s"] = round(time.perf_counter() - t_start, 1)
         print(f"[{pair}/{mode}] FAILED: {rec['error']}\n--- server log tail ---\n{log_tail(log_path)}", flush=True)
         return rec
@@ -720,6 +724,14 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the load plan")
     parser.add_argument("--deadline", type=float, default=None, help="skip runs that would not finish within this "
                         "many seconds of the start (estimated from the runs so far)")  # fmt: skip
+    parser.add_argument("--startup-timeout", type=float, default=420.0, help="seconds a server may take to start")
+    parser.add_argument(
+        "--fallback",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on a GPU, if a server does not start with vLLM's default compile/graph config, retry "
+        "that pair with " + " ".join(FALLBACK_CC) + " (the default's failure still fails the run)",
+    )
     parser.add_argument("--log-dir", type=Path, default=None, help="server logs (default: a temporary directory)")
     parser.add_argument("--out", type=Path, default=None, help="default: bench/results/load_faults_<gpu>.json")
     parser.add_argument("--kill-engine", action="store_true", help="self-test: SIGKILL the engine core once the load "
@@ -730,6 +742,8 @@ def main() -> int:
     import torch
 
     gpu = torch.cuda.is_available()
+    if gpu:  # as every GPU run of this repository (scripts/device): no FlashInfer sampler JIT on an offline machine
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     meta = run_meta()
     out_path = args.out or ROOT / "bench" / "results" / f"load_faults_{gpu_slug(meta['gpu']) if gpu else 'cpu'}.json"
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="load_faults_"))
@@ -758,6 +772,7 @@ def main() -> int:
             print(f"[mla] skipped: {entry['skipped']}", flush=True)
             continue
         first: dict[str, Any] | None = None
+        pair_extra: list[str] = []  # FALLBACK_CC once the default config failed to start for this pair
         for mode in ["default", "preempt"] if args.preempt else ["default"]:
             elapsed = time.perf_counter() - t0
             estimate = walls.get(mode, max(walls.values(), default=0.0))
@@ -772,8 +787,24 @@ def main() -> int:
                 extra, plan = preempt_extra(args, first, gpu)
                 if plan["note"]:
                     print(f"[{pair}/preempt] {plan['note']}", flush=True)
-            startup = args.deadline - elapsed if args.deadline else 900.0
-            rec = run_server(pair, mode, args, gpu, extra, log_dir / f"server_{pair}_{mode}.log", max(60.0, startup))
+            startup = min(args.startup_timeout, args.deadline - elapsed) if args.deadline else args.startup_timeout
+            log = log_dir / f"server_{pair}_{mode}.log"
+            rec = run_server(pair, mode, args, gpu, extra + pair_extra, log, max(60.0, startup))
+            if rec.get("startup_failed") and gpu and args.fallback and not pair_extra:
+                # vLLM's default compile + graph config never ran with this plugin before this bench: if it does
+                # not start, the faults are still worth checking on the config every GPU measurement used.
+                rec["compilation"] = "vLLM default"
+                doc["failures"] += failures(rec)
+                entry["runs"][f"{mode}-default-config"] = rec
+                records.append(rec)
+                save()
+                pair_extra = FALLBACK_CC
+                print(f"[{pair}/{mode}] retrying with {' '.join(FALLBACK_CC)}", flush=True)
+                log = log_dir / f"server_{pair}_{mode}_fallback.log"
+                elapsed = time.perf_counter() - t0
+                startup = min(args.startup_timeout, args.deadline - elapsed) if args.deadline else args.startup_timeout
+                rec = run_server(pair, mode, args, gpu, extra + pair_extra, log, max(60.0, startup))
+            rec["compilation"] = "fallback: " + FALLBACK_CC[1] if pair_extra else "vLLM default"
             if plan:
                 rec["preempt_cache"] = plan
             if mode == "default":
