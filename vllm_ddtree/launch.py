@@ -47,6 +47,15 @@ def openai_server(
     The server runs in its own process group and is stopped with SIGTERM (SIGKILL after 60 s) on exit, so no
     engine-core or worker process outlives the block.
     """
+    with openai_server_process(args, env, timeout_s, log_path) as (url, _):
+        yield url
+
+
+@contextmanager
+def openai_server_process(args: Sequence[str], env: dict[str, str] | None = None, timeout_s: float = 600.0,
+                          log_path: str | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``openai_server`` that also yields the server's process, for callers that watch it (a bench counting
+    engine deaths under load)."""
     port = free_port()
     cmd = [
         sys.executable,
@@ -67,7 +76,7 @@ def openai_server(
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(url, proc, timeout_s)
-        yield url
+        yield url, proc
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
