@@ -12,6 +12,7 @@
 #   acceptance   embedded pairs, budgets 8 16 32 63: GQA | MLA
 #   ops          tree ops incl. the drafter top-k | the MLA kernel (auto, portable, decode; all shapes) vs baselines
 #   tests        the gpu-marked tests: end to end + top-k | kernels and backends
+#   load-faults  bench/load_faults.py: both embedded pairs under 200 streams with aborts, then forced preemption
 #   recheck      the GPU tests of the V2 host trims (context K/V + combine graphs, e2e GQA, MLA matches-target) and
 #                of the MLA query pack, then its bench (one lane)
 #   profile      Kimi-K2-attention MLA, budgets 8 16, 32k, batch 1: a torch.profiler table per config (V2 chain, ddtree)
@@ -54,6 +55,8 @@ jobs_of() {
       echo "0 tests_e2e -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_ddtree_gpu_e2e.py tests/unit/test_draft_topk.py"
       echo "1 tests_kernels -m pytest -q -s -m gpu -p no:cacheprovider --ignore tests/gpu/test_ddtree_gpu_e2e.py" \
            "--ignore tests/unit/test_draft_topk.py tests" ;;
+    load-faults)
+      echo "0 load_faults bench/load_faults.py --deadline 540 --out $r/load_faults_h200.json" ;;
     recheck)
       echo "0 tests_e2e -m pytest -q -s -m gpu -p no:cacheprovider tests/unit/test_context_kv_graphs.py" \
            "tests/gpu/test_ddtree_gpu_e2e.py"
