@@ -285,7 +285,7 @@ async def _stream(session: Any, url: str, plan: dict[str, Any], out: Outcome, t0
     async with session.post(f"{url}/v1/completions", json=plan["body"]) as resp:
         out.status = resp.status
         if resp.status != 200:
-            await resp.read()
+            out.error = (await resp.text(errors="replace"))[:300]
             out.latency_s = time.perf_counter() - t0
             return
         async for raw in resp.content:
@@ -468,7 +468,7 @@ def summarize_load(outcomes: list[Outcome], wall: float, reference: list[list[in
             n = min(len(ref), len(o.token_ids))
             compared += 1
             equal += o.token_ids[:n] == ref[:n]
-    errors = Counter(o.error for o in outcomes if o.error)
+    errors = Counter(_scrub(o.error) for o in outcomes if o.error)
     return {
         "requests": len(outcomes),
         "abort_planned": sum(o.planned_abort for o in outcomes),
@@ -503,6 +503,7 @@ def _anomaly(o: Outcome, plan: dict[str, Any]) -> dict[str, Any]:
     """A request that went wrong, with what it asked for (the prompt as its length)."""
     body = {k: v for k, v in plan["body"].items() if k not in ("prompt", "model", "return_token_ids")}
     row = {k: v for k, v in vars(o).items() if k != "token_ids"}
+    row["error"] = _scrub(row["error"]) if row["error"] else None
     return {**row, "prompt_len": len(plan["body"]["prompt"]), "body": body, "abort": plan["abort"]}
 
 
@@ -555,9 +556,9 @@ def run_server(pair: str, mode: str, args: argparse.Namespace, gpu: bool, extra:
             counters = spec_decode_counters(url) if http_status(f"{url}/health") == 200 else {}
     except Exception as e:  # noqa: BLE001 - a server that cannot start is this run's result; the others still run
         traceback.print_exc()
-        rec["error"] = f"{type(e).__name__}: {e}"
+        rec["error"] = _scrub(f"{type(e).__name__}: {e}")
         rec["startup_failed"] = "startup_s" not in rec
-        rec["log_tail"] = log_tail(log_path, 30)
+        rec["log_tail"] = _scrub(log_tail(log_path, 30))
         rec["wall_s"] = round(time.perf_counter() - t_start, 1)
         print(f"[{pair}/{mode}] FAILED: {rec['error']}\n--- server log tail ---\n{log_tail(log_path)}", flush=True)
         return rec
@@ -591,6 +592,11 @@ def _int(x: str | None) -> int | None:
         return int(x) if x not in (None, "None") else None
     except ValueError:
         return None
+
+
+def _scrub(text: str) -> str:
+    """Text for the JSON without this machine's paths (bench JSON names no machine: ``bench/meta.py``)."""
+    return text.replace(str(ROOT), "<repo>").replace(str(Path.home()), "~").replace(tempfile.gettempdir(), "<tmp>")
 
 
 def _rel(arg: str) -> str:
@@ -755,7 +761,7 @@ def main() -> int:
     doc: dict[str, Any] = {"meta": meta, "config": {
         "device": meta["gpu"] if gpu else "cpu", "dtype": "bfloat16" if gpu else "float32", "budget": BUDGET,
         **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("out", "log_dir")},
-        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("VLLM_", "DDTREE_")) and
+        "env": {k: _scrub(v) for k, v in sorted(os.environ.items()) if k.startswith(("VLLM_", "DDTREE_")) and
                 "KEY" not in k and "TOKEN" not in k}},
         "pairs": {}, "failures": []}  # fmt: skip
     records: list[dict[str, Any]] = []
