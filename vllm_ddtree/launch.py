@@ -52,8 +52,9 @@ def openai_server(
 
 
 @contextmanager
-def openai_server_process(args: Sequence[str], env: dict[str, str] | None = None, timeout_s: float = 600.0,
-                          log_path: str | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+def openai_server_process(
+    args: Sequence[str], env: dict[str, str] | None = None, timeout_s: float = 600.0, log_path: str | None = None
+) -> Iterator[tuple[str, subprocess.Popen]]:
     """``openai_server`` that also yields the server's process, for callers that watch it (a bench counting
     engine deaths under load)."""
     port = free_port()
