@@ -1,13 +1,11 @@
 """Per-row top-k log-probs of the drafter's logits, for the tree build: two Triton launches on CUDA.
 
 The DDTree drafter needs, at every depth, the k most likely tokens and their log-probs. ``logits.topk`` plus a
-``logsumexp`` is a radix select and several more full passes over the vocabulary: in an H200 profile (batch 16 x 15
-depths, 163,840 tokens) the topk alone took 0.41 ms per drafter step and the logsumexp passes ~0.2 ms, about what a
-ddtree step then cost over a chain step of the same width. Here one pass reads the logits once: every program takes
-a vocabulary slice and writes the slice's top-k and its (max, sum of exp); a second launch merges the slices of each
-row. Within a slice, k block-wide arg-max rounds over all 4,096 tokens made the first version compute-bound (0.3
-TB/s on the H200: each round a max, a tie-break min and a mask update per token); now every token carries one
-distinct integer key (logit bits, then the lower id), so a pick is one max and a retire. Static
+``logsumexp`` is a radix select and several more full passes over the vocabulary, about what a ddtree step cost over
+a chain step of the same width (measured: docs/results.md, section 4). Here one pass reads the logits once: every
+program takes a vocabulary slice and writes the slice's top-k and its (max, sum of exp); a second launch merges the
+slices of each row. Within a slice every token carries one distinct integer key (logit bits, then the lower id), so
+a pick is one max and a retire (k block-wide arg-max rounds made a first version compute-bound). Static
 grid, no host reads, so it runs inside the drafter's FULL CUDA graph. Ties go to the lower token id
 (``topk_logprobs_reference`` is the same rule in torch: a stable sort).
 """

@@ -325,7 +325,7 @@ def tile_config(
     """``(BLOCK_M, BLOCK_N, num_warps, num_stages)``. M-tile: all heads of the group times as many rows as fit,
     sized from the average q_len (a static hint); smaller for D = 256 and fp32 (no tensor cores with ieee dots).
     8 warps from 64 x 128 tiles up (with 4 the row-gathered K/V addresses spill). 64-key K/V tiles only where they
-    fit the registers: Hopper's tree tail (the path measured on the H200). Elsewhere 32 keys, and on sm_80 / sm_120
+    fit the registers: Hopper's tree tail. Elsewhere 32 keys, and on sm_80 / sm_120
     whole-context tiles of at most 64 rows: their builds of the larger tiles spill up to 400 bytes a thread
     (``tests/kernels/test_triton_aot.py`` compiles every choice for sm_80, sm_90 and sm_120 and checks for spills)."""
     wide = head_d > 128 or dtype == torch.float32
@@ -338,9 +338,8 @@ def tile_config(
 
 
 def _default_num_splits(num_rows: int, block_q: int, num_kv_heads: int, big_tile: bool, device: torch.device) -> int:
-    """Fill one wave from static shapes: an 8-warp 128x128 tile holds one CTA per SM, smaller tiles two. On the
-    H200 (Hq 32, Hkv 8, D 128) this picked the fastest measured split count at B=1 L=32k and B=16 L=4k, W=16 and 64;
-    splitting past one wave lost up to 2x to wave quantization."""
+    """Fill one wave from static shapes: an 8-warp 128x128 tile holds one CTA per SM, smaller tiles two; splitting
+    past one wave loses to wave quantization (measured: docs/results.md, section 2)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     resident = sms * (1 if big_tile else 2)
     return max(1, min(32, resident // max(1, triton.cdiv(num_rows, block_q) * num_kv_heads)))

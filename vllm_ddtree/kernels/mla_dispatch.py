@@ -48,19 +48,13 @@ from vllm_ddtree.constants import (
     MLA_RESIDENT_V_SMEM,
 )
 
-# Launches of at most this many packed rows a request (query width x heads) keep our decode kernel in auto mode: on
-# the H200 (32-key tiles, bench/kernel_mla.py --baselines --shapes memory-bound / all, 2026-12-01) it read 8-16 rows
-# a request in 53.6-57.5 / 86.6-89.4 / 91.0-94.1 us where the FlashMLA split took 86.5-90.0 / 100.5-102.3 /
-# 106.9-109.3 us. At 32 rows a request it wins too (2026-12-01, after the one-pass combine; `--shapes crossover
-# --baselines`): one request of 32k keys 39.4 against 63.2 us, 8 requests of 8k at 8 heads x 4 tokens 45.4 against
-# 54.2 us, one request of 128k at 16 x 2 78.9 against 90.4 us; at 64 rows of 8 requests the split wins (57.2 against
-# 75.7 us).
+# Launches of at most this many packed rows a request (query width x heads) keep our decode kernel in auto mode; above
+# it the FlashMLA split wins (measured: docs/results.md, section 6.3).
 OWN_KERNEL_MAX_ROWS = 32
 # FlashMLA's page size: the split needs the cache in pages of this many tokens.
 FLASHMLA_PAGE = 64
-# The decode kernel where a request has few rows. H200, bench/kernel_mla.py --shapes memory-bound / crossover
-# (2026-12-01): 1.2-2.2x faster than the 64-row kernels at 8-32 rows a request, and at 48-64 rows for one request;
-# with 64 rows and 8 requests its four 16-row blocks re-reading every KV tile make it 1.3x slower.
+# The decode kernel where a request has few rows; with 64 rows and several requests its four 16-row blocks re-read
+# every KV tile and the 64-row kernels win (measured: docs/results.md, section 6.3).
 DECODE_MAX_ROWS, DECODE_MAX_ROWS_ONE_REQUEST = 32, 64
 # Shared memory the GPU reserves per resident CTA (sm_80 and later), on top of its dynamic shared memory.
 CTA_RESERVED_SMEM = 1024

@@ -6,8 +6,7 @@ request's last ``q_len`` (the context, visible to all rows, ``causal=False``) an
 log-sum-exp; ``mla_tree_tail`` attends the last ``q_len`` keys (the tree: at most 64) under the ancestor words; and
 ``merge_context`` joins the two by log-sum-exp. The context is read once, by FlashMLA, for all tree rows and heads.
 ``split_verify`` runs the tail on a second stream while FlashMLA runs (fork and join are captured in CUDA graphs):
-the tail needs nothing from FlashMLA, so only the merge follows it — 6-15 us less than running the tail after
-FlashMLA at four of the six issue shapes on the H200, the same at the other two (README, MLA tree-verify kernel).
+the tail needs nothing from FlashMLA, so only the merge follows it (measured: docs/results.md, section 6.4).
 ``pack_context_query`` builds FlashMLA's packed ``[T, H, 576]`` query from the two parts vLLM hands over, in one
 launch.
 
@@ -39,10 +38,8 @@ V_SPLITS = (
     4,
     8,
 )  # output parts per row tile; 2 would spill registers on sm_80/90/120 (tests/kernels/test_triton_aot.py)
-# Output parts by grid size (row tiles of all requests), from bench/launch_sweep.py on the H200: 8 parts paid at 9
-# row tiles (1 request of 9 tree tokens, 64 heads), 4 at 17-64 (1 request of 17-64 tokens, or 16 tokens of 128
-# heads); from 128 tiles (8 x 16 tokens of 64 heads, 32 x 16 of 16 heads) the recomputed scores cost more than the
-# spread saves.
+# Output parts by grid size (row tiles of all requests): more parts spread small grids, and from large grids on the
+# recomputed scores cost more than the spread saves (measured: docs/results.md, section 6.4).
 SPLIT_8_BELOW, SPLIT_4_UP_TO = 16, 64
 
 
@@ -377,8 +374,8 @@ def _pack_query_kernel(
 def pack_context_query(q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
     """FlashMLA's query ``[T, H, 576]``: ``cat(q_nope, q_pe)`` along the last dim, row ``i`` taken from row
     ``rows[i]`` when ``rows`` is given (the gather into FlashMLA's uniform layout), in one launch. vLLM hands the
-    absorbed ``q_nope`` as a head-major view transposed to ``[T, H, 512]``, which ``torch.cat`` copied at about a
-    sixth of the copy rate (194 us a layer for 1,024 tokens x 64 heads on the H200, 9 % of that verify step)."""
+    absorbed ``q_nope`` as a head-major view transposed to ``[T, H, 512]``, which ``torch.cat`` copies at a fraction
+    of the copy rate (measured: docs/results.md, section 5)."""
     if q_nope.shape[:2] != q_pe.shape[:2] or q_nope.shape[2] != MLA_KV_LORA_RANK or q_pe.shape[2] != MLA_ROPE_DIM:
         raise ValueError(
             f"q_nope [T, H, {MLA_KV_LORA_RANK}] and q_pe [T, H, {MLA_ROPE_DIM}] expected, got "
@@ -429,8 +426,8 @@ def split_verify(
     """The whole verify of every row: ``context_pass()`` (FlashMLA over the context keys, returning its out and lse)
     on the current stream while ``mla_tree_tail`` attends the tree keys on ``side_stream``, then ``merge_context``
     on the current stream once both are done. ``side_stream`` None runs the two one after the other (CPU). The tree
-    part is kept in ``out``'s dtype: in fp32 its extra bytes cost more than the overlap saves at many rows (B = 32,
-    H = 16, N = 16 on the H200: 164 against 140 us)."""
+    part is kept in ``out``'s dtype: in fp32 its extra bytes cost more than the overlap saves at many rows
+    (measured: docs/results.md, section 6.4)."""
     tree_out = torch.empty_like(out)
     tree_lse = torch.empty(lse.shape, dtype=torch.float32, device=lse.device)
     if side_stream is None:

@@ -4,8 +4,8 @@ vLLM 0.26.0's ``FlashAttentionMetadataBuilder`` reads query heads, KV heads and 
 ``ModelConfig``, i.e. the target's. A DFlash drafter whose attention differs from its target's (every drafter of an
 MLA target: GQA 32 / 8 heads of 128 against MLA's 64 / 1 of 576) then gets FA3 scheduler metadata planned for the
 target's shapes while the kernel runs the drafter's: 16 query rows x 64 packed heads = 1,024 rows a request are
-scheduled instead of 16 x 4 = 64. On the H200 at 4k context, batch 16, the drafter's FA3 took 625 us a call (the
-engine's own tensors re-timed alone) against 74 us planned right (``bench/launch_sweep.py``); the same mismatch is
+scheduled instead of 16 x 4 = 64, several times slower than planned right (measured: docs/results.md, section 7);
+the same mismatch is
 the likely cause of vLLM's V2 + TRITON_MLA DFlash stopping in FA3's metadata size check (an eager drafter, where
 FA3's split heuristic can differ between the planned and the run geometry). vLLM fixed this after 0.26 (the builder
 takes its group's geometry); this patch applies the same rule to 0.26 in every CUDA process, so vLLM's own DFlash

@@ -16,7 +16,7 @@
   positions of tree rows in place and the per-token tree bits the tree-attention backend reads.
 * ``Scheduler.__init__``: with Model Runner V2 the scheduler's per-step scan for blocks common to all running
   requests (an input of V1's cascade attention, which V2 never reads) is skipped: a Python loop over every block of
-  a request, ~0.1 ms a step at 32k tokens, in a batch-1 step that is host-bound.
+  a request every step, host time in a batch-1 step that is host-bound.
 * ``CudaPlatform.get_attn_backend_cls``: vLLM has one ``CUSTOM`` slot; point it at the MLA or the GQA tree backend
   for the layer being built (a model's target layers are all MLA or all not).
 * The DFlash drafter model's ``precompute_and_store_context_kv`` (an instance attribute, nothing in vLLM's classes):

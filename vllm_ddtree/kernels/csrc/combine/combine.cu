@@ -72,10 +72,7 @@ __global__ void __launch_bounds__(256) mla_combine_kernel(const MlaParams p) {
 // Merges the split partials of one (request, row, 128-dim slice) in a team of W = 2^team_log2 warps (1..32), sized
 // by the host from the pieces an average request has: 32 warps for the hundreds of pieces of B = 1, single warps for
 // the few pieces of large batches (few blocks, about one wave). A block holds max(8, W) warps. The time is set by
-// chains of memory latencies, not by bytes (H200, 2026-12-01: B = 64 x 4k, H 16: 15.4 us with blocks of 8 warps per
-// row, 6.5 with single-warp teams; B = 1 x 128k, H 8: 12.9 us with a team of 8, 9.1 with a team of 32; a team that
-// read the lse twice, for the max and then the sum, before the partials took 7.6 us there, and an online loop that
-// loaded one piece a step 15.3 us). So each warp loads up to kCombineChunk of its pieces (k, k + W, ...) into
+// chains of memory latencies, not by bytes (measured: docs/results.md, section 6.5). So each warp loads up to kCombineChunk of its pieces (k, k + W, ...) into
 // registers at once, lse and partial together, then folds them into its running (max m, sum s, acc): one memory
 // latency for up to W * kCombineChunk pieces. The team's first warp merges the W triples in warp order (fixed order
 // throughout: deterministic). Teams of rows without a split exit.

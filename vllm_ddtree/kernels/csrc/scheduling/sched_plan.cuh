@@ -9,7 +9,8 @@
 // if n_b > 1 they use the workspace slots G_b .. G_b + n_b - 1, G_b = the slots of the split requests before b.
 //
 // Why per part, in the main kernel: a separate planner launch (one block writing every piece to global memory)
-// cost 3-4 us plus a launch gap on the H200, against 47-88 us for the main kernel at memory-bound shapes. A part
+// costs a launch and its gap, a sizeable share of the main kernel at memory-bound shapes (measured:
+// docs/results.md, section 6.5). A part
 // needs from the requests before it only two prefix sums at its first request: C and G. So each CTA computes the
 // line total and those prefix sums with two block scans over the requests (range_cost, range_slots: a thread sums a
 // contiguous range of them), then walks its requests from that cursor, one piece each (part_piece), carrying C.

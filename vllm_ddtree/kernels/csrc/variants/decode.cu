@@ -23,7 +23,7 @@
 // Split-KV: the requests' tiles are cut into P = CTAs per SM x SMs parts by the line plan of scheduling/sched_plan.cuh, and
 // CTA (rt, part) derives its part's pieces (request, tile range, workspace slot) itself at its start (part_plan: two
 // block scans over the requests, then a walk from the part's first request), so no planner kernel runs before it
-// (one did, 3-4 us plus a launch gap on the H200). Split requests write normalized partials as bf16 (half the bytes of
+// (one did: docs/results.md, section 6.5). Split requests write normalized partials as bf16 (half the bytes of
 // fp32 to write and to merge; each adds at most 2^-9 relative rounding, like the bf16 output) + fp32 base-2 lse into
 // the workspace, merged by mla_combine_wide_kernel (combine/combine.cu: a team of 1-32 warps per (request, row,
 // 128 dims), over the pieces: a request of B = 1 has hundreds of pieces, one of B = 64 a few).

@@ -3,8 +3,8 @@
 //
 // Why this shape: with mma.sync every warp reads its operands from shared memory, and at MLA's 576-dim keys that
 // traffic bounds the kernel. Keeping Q (64 rows x 576 bf16 = 72 KB) in shared memory left room for a ring of a few
-// 64-dim chunks only, so V had to be fetched a second time and QK read Q and K per warp (the first portable kernel:
-// 0.27-0.32x FlashMLA on the H200). Here Q lives in registers, split over a warp pair by k-step parity, so shared
+// 64-dim chunks only, so V had to be fetched a second time and QK read Q and K per warp (the first portable kernel,
+// docs/results.md section 6.1). Here Q lives in registers, split over a warp pair by k-step parity, so shared
 // memory holds two whole KV tiles (V is read from the K tile already there) and QK reads K only.
 //
 // One CTA: 64 packed rows r = node*H + head of one request, 8 warps, KV tiles of 32 tokens, double-buffered.
@@ -142,8 +142,8 @@ __global__ void __launch_bounds__(256, 1) mla_tree_verify_portable_kernel(const 
       cp_async_wait<0>();
       __syncthreads();  // this tile is in shared memory; every warp is done with the last tile's buffers
       // The next tile streams in while this one is computed. fp8 tiles spread their 5 cp.async a thread over the QK
-      // steps, where they fill issue slots the mma chains leave free (a warp without QK work issues them at once):
-      // 1.07x on the H200; bf16 tiles issue their 9 here (spread, they cost 3 %).
+      // steps, where they fill issue slots the mma chains leave free (a warp without QK work issues them at once);
+      // bf16 tiles issue their 9 here, where spreading them costs (measured: docs/results.md, section 6.1).
       const bool has_next = tile + 1 < t1;
       const TileRow next_row = tile_row(tile + 1, next_page, sRing + ((tile + 1 - t0) & 1) * C::kRawTile);
       if (tile + 2 < t1) next_page = page_of(tile + 2);
