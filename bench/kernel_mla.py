@@ -305,7 +305,7 @@ def main() -> None:
             json.dump(dict(device=torch.cuda.get_device_name(), copy_gbs=round(bw, 1), gemm_tflops=round(gemm, 1),
                            mma_sync_tflops=round(mma_sync, 1), rotate=args.rotate,
                            shapes=args.shapes, method="CUDA-graph replay, median over reps, per call",
-                           csrc=envs.VLLM_DDTREE_CSRC or "package", rows=rows), f, indent=1)
+                           csrc=envs.VLLM_DDTREE_CSRC or "repository", rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

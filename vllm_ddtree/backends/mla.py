@@ -34,7 +34,7 @@ from vllm.v1.attention.backend import AttentionCGSupport, MultipleOf
 from vllm_ddtree import envs
 from vllm_ddtree.backends.tree_mask import causal_bits, current_tree_masks
 from vllm_ddtree.constants import MAX_TREE_WIDTH, MLA_HEAD_DIM, MLA_KV_LORA_RANK, MLA_ROPE_DIM
-from vllm_ddtree.kernels.mla_dispatch import FLASHMLA_PAGE, flashmla_context, split_this_launch
+from vllm_ddtree.kernels import FLASHMLA_PAGE, flashmla_context, split_this_launch
 
 
 @dataclass
