@@ -19,6 +19,7 @@ EXPECTED_SEAMS = {
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner.__init__",
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner._prepare_inputs",
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner._bookkeeping_sync",
+    "vllm.v1.worker.gpu_input_batch.InputBatch.swap_states",
     "vllm.v1.worker.gpu.model_runner.GPUModelRunner.__init__",
     "vllm.v1.worker.gpu.model_runner.init_speculator",
     "vllm.v1.worker.gpu.model_runner.GPUModelRunner.initialize_kv_cache",

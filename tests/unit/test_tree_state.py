@@ -89,3 +89,30 @@ def test_the_v1_step_hook_drops_the_last_steps_paths(monkeypatch: pytest.MonkeyP
     )
     v1._prepare_inputs(runner, None, None)
     assert state.paths is None
+
+
+def test_swapping_two_requests_swaps_their_allowed_token_masks() -> None:
+    """vLLM's own swap copies one mask row over the other (a tuple assignment of row views); with the seam both rows
+    go where their requests went."""
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+
+    from vllm_ddtree.patches import v1
+
+    v1.apply()
+    batch = InputBatch(
+        max_num_reqs=3,
+        max_model_len=64,
+        max_num_batched_tokens=64,
+        device=torch.device("cpu"),
+        vocab_size=5,
+        block_sizes=[16],
+        kernel_block_sizes=[16],
+        max_num_blocks_per_req=[4],
+    )
+    batch._req_ids, batch.req_id_to_index = ["a", "b", "c"], {"a": 0, "b": 1, "c": 2}
+    batch.req_output_token_ids = [[], [], []]
+    batch.allowed_token_ids_mask_cpu_tensor = torch.zeros(3, 5, dtype=torch.bool)
+    batch.allowed_token_ids_mask_cpu_tensor[0, 1] = True  # request 0 restricts its tokens; request 2 does not
+    batch.swap_states(0, 2)
+    assert batch.allowed_token_ids_mask_cpu_tensor[2].tolist() == [False, True, False, False, False]
+    assert not batch.allowed_token_ids_mask_cpu_tensor[0].any()

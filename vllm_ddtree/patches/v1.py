@@ -12,7 +12,11 @@
   partial prefill chunk) with ``set_offset``, which CPU generators refuse (``CPU Generator does not use offset``,
   an engine death on vLLM-CPU). CPU generators are instead restored to the state they had before this step's
   sampling, which is the same draw-for-draw rewind.
-``CPUModelRunner`` subclasses ``GPUModelRunner``, so it inherits all three.
+* ``InputBatch.swap_states``: vLLM swaps two rows of the allowed-token-ids mask with a tuple assignment of row
+  views, which copies one row over the other; when the decode-first reorder swaps a request that restricts its tokens
+  with one that does not, the second gets the first one's mask (a greedy request then decodes from the wrong tokens).
+  The rows are put right after vLLM's swap.
+``CPUModelRunner`` subclasses ``GPUModelRunner``, so it inherits the runner seams.
 """
 
 from __future__ import annotations
@@ -96,15 +100,27 @@ def _bookkeeping_sync(self: Any, *args: Any, **kwargs: Any) -> Any:
             generators[i] = generator
 
 
+def _swap_states(self: Any, i1: int, i2: int) -> None:
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+
+    mask = self.allowed_token_ids_mask_cpu_tensor
+    rows = (mask[i1].clone(), mask[i2].clone()) if mask is not None else None
+    InputBatch._orig_swap_states(self, i1, i2)
+    if rows is not None:
+        mask[i1], mask[i2] = rows[1], rows[0]
+
+
 CPU_BACKEND = "vllm_ddtree.backends.cpu.DDTreeCPUAttentionBackend"
 
 
 def apply() -> None:
     """Install the V1 runner seams and the tree-aware CPU attention in CPU_ATTN's slot (idempotent)."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    from vllm.v1.worker.gpu_input_batch import InputBatch
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     register_backend(AttentionBackendEnum.CPU_ATTN, CPU_BACKEND)
     patch_attr(GPUModelRunner, "__init__", _runner_init)
     patch_attr(GPUModelRunner, "_prepare_inputs", _prepare_inputs)
     patch_attr(GPUModelRunner, "_bookkeeping_sync", _bookkeeping_sync)
+    patch_attr(InputBatch, "swap_states", _swap_states)
