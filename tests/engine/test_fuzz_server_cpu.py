@@ -98,7 +98,7 @@ SNIPPETS = [
 ]
 STOP_STRINGS = ["\n", "def", "(", "):", "return", "self", "  ", "import", "x", '"', "\n\n"]
 BAD_WORDS = ["self", "import", "def", "return", " (", "os", "the", "x", "None"]
-WORDS = ["yes", "no", "maybe", "alpha", "beta", "def", "  ", "a\nb", "42", "λ"]
+WORDS = ["yes", "no", "maybe", "alpha", "beta", "def", "  ", "a b", "42", "λ"]  # no "\n": KNOWN_5XX
 REGEXES = [r"[a-z]{2,6}", r"(yes|no)", r"[0-9]{1,4}", r"\d+\.\d{2}", r"[A-Z][a-z]+ [a-z]+", r"(ab|cd)*e"]
 
 
@@ -238,9 +238,10 @@ def _valid_case(rng: random.Random, tok: Tok, plain: bool, long_left: list[int],
         prompts = [messages]
     else:
         count = 1 if rng.random() < 0.85 else rng.randint(2, 3)
+        as_text = rng.random() < 0.5  # a list of prompts is all strings or all token-id lists
         prompts = []
         for _ in range(count):
-            if rng.random() < 0.5:
+            if as_text:
                 prompts.append(_string_prompt(rng, tok, lo, hi))
             else:
                 prompts.append(_ids_prompt(rng, rng.randint(lo, hi)))
@@ -334,14 +335,14 @@ def _valid_case(rng: random.Random, tok: Tok, plain: bool, long_left: list[int],
             body["bad_words"] = rng.sample(BAD_WORDS, rng.randint(1, 3))
         if rng.random() < 0.15:
             body["min_tokens"] = rng.randint(0, max_tokens)
-        if rng.random() < 0.1:
+        if rng.random() < 0.1 and force != "structured":
             body["allowed_token_ids"] = sorted(rng.sample(range(VOCAB), rng.randint(1, 30)))
             case.checks.add("allowed")
         if rng.random() < 0.25 and body["temperature"] >= 1e-5:
             body["n"] = rng.randint(2, 3)
             if rng.random() < 0.3:
                 body["best_of"] = body["n"] + 1  # not a vLLM 0.26 field: ignored
-        if force == "structured" or (rng.random() < 0.15 and not plain):
+        if force == "structured" or (rng.random() < 0.15 and not plain and "allowed_token_ids" not in body):
             extra, check, arg = _structured(rng)
             body.update(extra)
             case.structured = True
@@ -432,7 +433,7 @@ INVALID_FIELDS: list[tuple[str, dict[str, Any]]] = [
     ("empty prompt string", {"prompt": ""}),
     ("empty prompt ids", {"prompt": []}),
     ("negative prompt id", {"prompt": [5, -1]}),
-    ("out-of-vocab prompt id", {"prompt": [5, VOCAB]}),
+    ("out-of-vocab prompt id", {"prompt": [5, VOCAB + 1]}),  # VOCAB itself kills the engine: KNOWN_5XX
     ("prompt not a string", {"prompt": 5}),
     ("token-id prompt past max_model_len", {"prompt": [7] * (MAX_MODEL_LEN + 3)}),
     ("token-id prompt exactly max_model_len", {"prompt": [7] * MAX_MODEL_LEN}),
@@ -441,13 +442,11 @@ INVALID_FIELDS: list[tuple[str, dict[str, Any]]] = [
 INVALID_RAW = [
     ("truncated JSON", '{"model": "tiny", "prompt": "x", "max_tokens": '),
     ("not JSON", "prompt=hello"),
-    ("a JSON list", '[{"model": "tiny", "prompt": "x"}]'),
     ("NaN temperature", '{"model": "tiny", "prompt": "x", "max_tokens": 2, "temperature": NaN}'),
     ("empty body", ""),
 ]
 INVALID_CHAT: list[tuple[str, dict[str, Any]]] = [
     ("no messages", {"messages": []}),
-    ("unknown role", {"messages": [{"role": "wizard", "content": "x"}]}),
     ("top_logprobs above the max", {"logprobs": True, "top_logprobs": MAX_LOGPROBS + 1}),
     ("max_completion_tokens above max_model_len", {"max_completion_tokens": MAX_MODEL_LEN + 1}),
     ("chat prompt past max_model_len", {"messages": [{"role": "user", "content": "import os\n" * 400}]}),
@@ -541,6 +540,7 @@ def _compute_references(keys: list[tuple]) -> dict[tuple, tuple[list[int], str]]
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=8,
         seed=0,
+        max_num_batched_tokens=512,
         gpu_memory_utilization=MEMORY_FRACTION,
         enforce_eager=True,  # vLLM-CPU compiles without Inductor: the same float32 ops, less startup
     )
@@ -1066,20 +1066,75 @@ def test_seeded_requests_reproduce_alone(run: Run) -> None:
     assert not problems, _fail_message(run, problems)
 
 
-def test_logprob_token_ids_are_served(run: Run) -> None:
-    """``logprob_token_ids`` (logprobs of chosen vocabulary ids at every position) beside a plain request: one
-    logprob entry per generated token, greedy answer unchanged. Found by this fuzz: vLLM 0.26's spec-decode path
-    drops them (``RejectionSampler.forward`` builds logprob tensors only when ``max_num_logprobs`` is set, which
-    ``logprob_token_ids`` requests leave unset), so the completion handler indexes past the list: a 500."""
-    bodies = [
+# 5xx answers this fuzz found that come from vLLM 0.26 itself: each reproduces on a server without speculative
+# decoding, or with vLLM's own DFlash method (see the reasons in test_known_5xx_bodies). They stay here, failing, until
+# they are fixed or worked around; the random plan avoids their triggers so that it keeps reporting new problems.
+# Entries: (id, path, body or None, raw body or None, expected answer, bodies sent first).
+KNOWN_5XX: list[tuple[str, str, dict[str, Any] | None, str | None, str, list[dict[str, Any]]]] = [
+    (
+        "logprob_token_ids greedy",
+        COMPLETIONS,
         {"prompt": "import os\n", "max_tokens": 8, "temperature": 0.0, "logprobs": 2, "logprob_token_ids": [5, 6]},
+        None,
+        "ok",
+        [],
+    ),
+    (
+        "logprob_token_ids sampled",
+        COMPLETIONS,
         {"prompt": "def f(x):\n", "max_tokens": 8, "temperature": 0.5, "seed": 3, "logprobs": 1,
          "logprob_token_ids": [200]},
-    ]  # fmt: skip
-    cases = [Case(COMPLETIONS, b, note="logprob_token_ids") for b in bodies]
-    results = _send_batch(run.url, cases, 2)
-    problems = _batch_report(run, "logprob_token_ids", cases, results)
-    problems += _after_batch(run, "logprob_token_ids", plain=True)
+        None,
+        "ok",
+        [],
+    ),
+    ("JSON list body", COMPLETIONS, None, '[{"model": "tiny", "prompt": "x"}]', "4xx", []),
+    (
+        "choice with a newline after an xgrammar request",
+        COMPLETIONS,
+        {"prompt": "x = ", "max_tokens": 8, "temperature": 0.5, "structured_outputs": {"choice": ["a\nb", "c"]}},
+        None,
+        "ok",
+        [{"prompt": "x = ", "max_tokens": 8, "temperature": 0.5, "structured_outputs": {"regex": "[a-z]{2,6}"}}],
+    ),
+    (
+        "grammar and allowed_token_ids disjoint",
+        COMPLETIONS,
+        {"prompt": "x = ", "max_tokens": 8, "temperature": 0.5, "structured_outputs": {"regex": "[0-9]{1,4}"},
+         "allowed_token_ids": [5, 6]},
+        None,
+        "any",
+        [],
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "raw", "expect", "before"), [k[1:] for k in KNOWN_5XX], ids=[k[0] for k in KNOWN_5XX]
+)
+def test_known_5xx_bodies(
+    run: Run, path: str, body: dict[str, Any] | None, raw: str | None, expect: str, before: list[dict[str, Any]]
+) -> None:
+    """Bodies that got a 500 from vLLM 0.26 in this fuzz; the answer must be a 200 or a 4xx with a message, and the
+    server must stay healthy.
+
+    - ``logprob_token_ids``: ``RejectionSampler.forward`` builds logprob tensors only when ``max_num_logprobs`` is
+      set, which such requests leave unset (``to_sampling_params`` moves ``logprobs`` into ``logprob_token_ids``),
+      so only the prefill step's entry comes back and ``_create_completion_logprobs`` indexes past the list. The
+      same with ``speculative_config={"method": "dflash"}`` (no DDTree); fine without speculative decoding.
+    - A JSON list body: ``CompletionRequest``'s ``mode="before"`` validators call ``data.get`` on it.
+    - A choice with a newline: ``choice_as_grammar`` puts the raw newline in an EBNF string, xgrammar refuses it, so
+      the "auto" backend falls back to guidance for that request; the engine's ``StructuredOutputManager`` has
+      already built its one backend (xgrammar) from an earlier request and gets a CHOICE spec it cannot compile.
+    - A grammar whose tokens ``allowed_token_ids`` all masks: every logit is -inf, the sampler emits token 0, the
+      grammar rejects it ("Unexpected: grammar rejected tokens [0]") and the request ends in an internal error."""
+    for i, first in enumerate(before):
+        (res,) = _send_batch(run.url, [Case(path, first)], 10 + i)
+        assert res.status == 200, res.text
+    case = Case(path, body, raw=raw, expect=expect, note="known 5xx")
+    (res,) = _send_batch(run.url, [case], 3)
+    problems = [f"{case.describe()}\n    {p}" for p in _check(run, case, res)]
+    problems += _after_batch(run, "known 5xx", plain=False)
     assert not problems, _fail_message(run, problems)
 
 
@@ -1092,3 +1147,16 @@ def test_fixed_greedy_prompt_after_the_fuzz(run: Run) -> None:
     assert not problems, _fail_message(run, problems)
     first, last = run.counters[0][1], run.counters[-1][1]
     assert last["drafts"] > first["drafts"], "the server never drafted: not a DDTree run"
+
+
+def test_prompt_token_id_equal_to_vocab_size_is_refused(run: Run) -> None:
+    """Last, because it kills the engine (vLLM 0.26, with or without speculative decoding): the cached tokenizer's
+    ``max_token_id`` is ``max(max vocab id, tokenizer.vocab_size)`` = 4096, one past the last id, so
+    ``InputProcessor._validate_model_input`` lets id 4096 through and the compiled embedding kernel's bounds check
+    throws inside an OpenMP region: ``terminate called ... index out of bounds: 0 <= tmp8 < 4096L``, the worker
+    aborts, EngineDeadError. The answer must be a 400 and the server must live on."""
+    case = Case(COMPLETIONS, {"prompt": [5, VOCAB], "max_tokens": 4}, expect="4xx", note="prompt id == vocab size")
+    (res,) = _send_batch(run.url, [case], 4)
+    problems = [f"{case.describe()}\n    {p}" for p in _check(run, case, res)]
+    problems += _after_batch(run, "prompt id == vocab size", plain=True)
+    assert not problems, _fail_message(run, problems)
