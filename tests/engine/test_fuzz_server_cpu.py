@@ -278,7 +278,9 @@ def _valid_case(rng: random.Random, tok: Tok, plain: bool, long_left: list[int],
         if room < 1:
             case.expect = "4xx"
     if pick == "omit" and chat:
-        max_tokens = room
+        max_tokens = max(1, room)  # what vLLM will allow; a prompt past the limit is a 400 either way
+        if room < 1:
+            case.expect = "4xx"
     elif chat and rng.random() < 0.3:
         body["max_completion_tokens"] = max_tokens
     else:
@@ -354,7 +356,9 @@ def _valid_case(rng: random.Random, tok: Tok, plain: bool, long_left: list[int],
             case.structured = True
             case.checks.add(check)
             case.checks.add(f"arg:{json.dumps(arg)}")
-            body.pop("ignore_eos", None)  # with ignore_eos vLLM samples past the grammar's end: KNOWN_5XX
+            # KNOWN_5XX: vLLM samples past the grammar's end with ignore_eos, and min_tokens can outlast it.
+            body.pop("ignore_eos", None)
+            body.pop("min_tokens", None)
         if rng.random() < 0.05:
             body["repetition_detection"] = {"max_pattern_size": 4, "min_count": 3}
         if not chat and rng.random() < 0.05 and plen > 4:
@@ -372,6 +376,10 @@ def _valid_case(rng: random.Random, tok: Tok, plain: bool, long_left: list[int],
             body["stream_options"] = {"include_usage": True, "continuous_usage_stats": rng.random() < 0.5}
     elif rng.random() < 0.04:
         case.stream = "abort"
+    if case.stream in ("disconnect", "abort") and case.expect == "ok" and max_tokens < 64 <= room:
+        max_tokens = 64  # long enough that the client really leaves mid-answer (drafts make chunks large)
+        body.update({k: max_tokens for k in ("max_tokens", "max_completion_tokens") if k in body})
+        case.near_limit = plen + max_tokens + BUDGET + 1 > MAX_MODEL_LEN
     # What can be checked.
     altered = any(
         k in body
@@ -635,6 +643,9 @@ def _read_counters(url: str) -> dict[str, Any]:
         found = re.findall(rf"^vllm:spec_decode_{name}_total(?:{{[^}}]*}})? ([0-9.eE+-]+)$", text, flags=re.M)
         return sum(float(v) for v in found)
 
+    def gauge(name: str) -> float:
+        return sum(float(v) for v in re.findall(rf"^vllm:{name}{{[^}}]*}} ([0-9.eE+-]+)$", text, flags=re.M))
+
     per_pos: dict[int, float] = {}
     pat = r'^vllm:spec_decode_num_accepted_tokens_per_pos_total{[^}]*position="(\d+)"[^}]*} ([0-9.eE+-]+)$'
     for pos, value in re.findall(pat, text, flags=re.M):
@@ -644,16 +655,18 @@ def _read_counters(url: str) -> dict[str, Any]:
         "draft_tokens": total("num_draft_tokens"),
         "accepted": total("num_accepted_tokens"),
         "per_pos": [per_pos[p] for p in sorted(per_pos)],
+        "in_flight": gauge("num_requests_running") + gauge("num_requests_waiting"),
     }
 
 
 def _counters(url: str) -> dict[str, Any]:
-    """Counters once they stop moving (the last steps' stats reach Prometheus just after their responses)."""
+    """Counters once they stop moving (the last steps' stats reach Prometheus just after their responses) and no
+    request is left in the engine (requests whose client went away must be aborted, not left running)."""
     last = _read_counters(url)
-    for _ in range(20):
+    for _ in range(40):
         time.sleep(0.3)
         now = _read_counters(url)
-        if now == last:
+        if now == last and not now["in_flight"]:
             return now
         last = now
     return last
@@ -663,7 +676,7 @@ def _counter_problems(history: list[tuple[str, dict[str, Any]]], plain: bool) ->
     """Monotone, accepted <= drafted <= budget * drafts, per-position acceptance non-increasing; on a plain batch,
     every draft was the full budget."""
     (label, now), (_, before) = history[-1], history[-2]
-    out = []
+    out = [f"{label}: {now['in_flight']:.0f} requests still running or waiting"] if now["in_flight"] else []
     for key in ("drafts", "draft_tokens", "accepted"):
         if now[key] < before[key]:
             out.append(f"{label}: {key} went down {before[key]} -> {now[key]}")
@@ -740,7 +753,7 @@ async def _send(session: Any, url: str, case: Case, rng: random.Random) -> Resul
     try:
         if case.stream == "abort":
             task = asyncio.ensure_future(session.post(f"{url}{case.path}", **kwargs))
-            await asyncio.sleep(rng.uniform(0.05, 0.8))
+            await asyncio.sleep(rng.uniform(0.05, 0.4))
             if not task.done():
                 task.cancel()
                 res.closed_by_client = True
@@ -1036,24 +1049,60 @@ def test_invalid_bodies_are_refused_with_a_message(run: Run) -> None:
     assert not problems, _fail_message(run, problems)
 
 
+TALLIED = ("logprobs", "prompt_logprobs", "echo", "n", "best_of", "stop", "stop_token_ids", "ignore_eos", "seed",
+           "top_p", "top_k", "presence_penalty", "frequency_penalty", "repetition_penalty", "bad_words", "min_tokens",
+           "allowed_token_ids", "structured_outputs", "response_format", "use_beam_search", "truncate_prompt_tokens",
+           "repetition_detection", "stream_options", "messages")  # fmt: skip
+
+
+def _tally(tally: dict[str, int], case: Case, res: Result) -> None:
+    """What the run exercised, so a plan that stops covering something shows in the output and the checks."""
+
+    def add(key: str) -> None:
+        tally[key] = tally.get(key, 0) + 1
+
+    add(f"status {res.status // 100}xx" if res.status else "no status")
+    if res.closed_by_client:
+        add("closed by client")
+    add(f"stream {case.stream}")
+    if case.greedy_refs and res.status == 200 and case.stream != "disconnect":
+        add("greedy compared")
+    add("near max_model_len" if case.near_limit else "far from max_model_len")
+    for key in TALLIED:
+        if key in (case.body or {}):
+            add(key)
+    body = case.body or {}
+    if isinstance(body.get("prompt"), list):
+        add("token-id prompt" if body["prompt"] and isinstance(body["prompt"][0], int) else "prompt list")
+    temperature = body.get("temperature")
+    if isinstance(temperature, float) and 0 < temperature < 0.01:
+        add("temperature in (0, 0.01)")
+    for check in case.checks:
+        if ":" not in check:
+            add(f"check {check}")
+
+
 def test_fuzz_mixed_batches(run: Run) -> None:
     """The seeded plan's batches, each sent concurrently: answers, health, processes, counters after every batch."""
     problems: list[str] = []
-    total = 0
+    tally: dict[str, int] = {}
     for b, cases in enumerate(run.plan):
         label = f"batch {b}"
         t0 = time.time()
         results = _send_batch(run.url, cases, SEED * 1000 + b)
-        total += len(cases)
         problems += _batch_report(run, label, cases, results)
         problems += _after_batch(run, label, plain=b % 2 == 0)
         print(f"{label}: {len(cases)} requests in {time.time() - t0:.1f} s; counters {run.counters[-1][1]}")
         for case, res in zip(cases, results, strict=True):
+            _tally(tally, case, res)
             if "seeded" in case.checks and res.status == 200 and len(run.seeded) < SEEDED_REPLAYS:
                 run.seeded.append(case.body)
         if any("died" in p or "/health" in p for p in problems):
             break
+    print("fuzz coverage:", json.dumps(dict(sorted(tally.items()))))
     assert not problems, _fail_message(run, problems)
+    for key in ("greedy compared", "status 4xx", "stream full", "closed by client", "messages", "token-id prompt"):
+        assert tally.get(key, 0) > 0, f"the plan for seed {SEED} never exercised {key!r}: {tally}"
 
 
 def test_seeded_requests_reproduce_alone(run: Run) -> None:
@@ -1061,10 +1110,11 @@ def test_seeded_requests_reproduce_alone(run: Run) -> None:
     bodies = run.seeded or [{"prompt": "import os\n", "max_tokens": 16, "temperature": 0.9, "seed": 11}]
     problems = []
     for body in bodies:
-        body = {**body, "max_tokens": min(body.get("max_tokens", 16), 32)}
-        body.pop("max_completion_tokens", None)
-        if "min_tokens" in body:
-            body["min_tokens"] = min(body["min_tokens"], body["max_tokens"])
+        body = dict(body)
+        for key in ("max_tokens", "max_completion_tokens"):  # shorter answers, same requests otherwise
+            if key in body:
+                body[key] = min(body[key], 32)
+                body["min_tokens"] = min(body.get("min_tokens", 0), body[key])
         path = CHAT if "messages" in body else COMPLETIONS
         answers = []
         for i in range(2):
@@ -1131,6 +1181,15 @@ KNOWN_5XX: list[tuple[str, str, dict[str, Any] | None, str | None, str, list[dic
         [],
     ),
     (
+        "structured output with min_tokens past the grammar's end",
+        COMPLETIONS,
+        {"prompt": "x = ", "max_tokens": 20, "temperature": 0.5, "min_tokens": 9,
+         "structured_outputs": {"choice": ["maybe", "no"]}},
+        None,
+        "ok",
+        [],
+    ),
+    (
         "grammar and allowed_token_ids disjoint",
         COMPLETIONS,
         {"prompt": "x = ", "max_tokens": 8, "temperature": 0.5, "structured_outputs": {"regex": "[0-9]{1,4}"},
@@ -1162,6 +1221,8 @@ def test_known_5xx_bodies(
     - Structured output with ``ignore_eos``: once the grammar has accepted EOS the request goes on, the next token
       is one the finished grammar rejects ("Unexpected: grammar rejected tokens [274]"), the scheduler ends the
       request with FINISHED_ERROR, a 500.
+    - Structured output with ``min_tokens`` past every string the grammar allows: min_tokens masks EOS, the grammar
+      allows nothing else, and the same "grammar rejected tokens" error follows.
     - A grammar whose tokens ``allowed_token_ids`` all masks: every logit is -inf, the sampler emits token 0, the
       grammar rejects it ("Unexpected: grammar rejected tokens [0]") and the request ends in an internal error."""
     for i, first in enumerate(before):
