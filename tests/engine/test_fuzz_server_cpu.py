@@ -1236,28 +1236,34 @@ def test_known_5xx_bodies(
 
 
 def test_allowed_token_ids_stay_with_their_request(run: Run) -> None:
-    """A request with allowed_token_ids and a greedy one arriving while it decodes, at a few timings: the greedy
-    answer is the target's own and the constrained one stays inside its set.
+    """Eight running requests (a short one, then seven greedy copies of the fixed prompt) and a request with
+    allowed_token_ids queued behind them: the greedy answers stay the target's own, the constrained one stays in
+    its set.
 
-    Found by this fuzz (greedy answers made of another request's allowed ids, and allowed-ids answers outside their
-    set); vLLM 0.26's, also without speculative decoding: ``InputBatch.swap_states`` (the decode-first reorder)
-    swaps the allowed-token mask rows with a tuple assignment of tensor views (``m[i1], m[i2] = m[i2], m[i1]``),
-    which copies row i2 into both (its own comment warns about exactly this for ``token_ids_cpu``); and
-    ``condense`` copies a moved row without clearing the old one, which ``add_request`` does not reset for a request
-    without allowed_token_ids. While any request has allowed_token_ids the mask applies to every row."""
+    Found by this fuzz (greedy answers made of another request's allowed ids; allowed-ids answers outside their
+    set); vLLM 0.26's, also without speculative decoding. When the short request ends, the queued one takes its slot
+    (index 0, a prefill) and the decode-first reorder calls ``InputBatch.swap_states(7, 0)``, which swaps the
+    allowed-token mask rows with a tuple assignment of tensor views (``m[i1], m[i2] = m[i2], m[i1]``): both rows end
+    up with row 0's mask, so the greedy request moved from row 7 to row 0 is constrained to the newcomer's set (the
+    function's own comment warns about exactly this for ``token_ids_cpu``). ``condense`` also copies a moved mask
+    row without clearing the old one, which ``add_request`` does not reset for a request without allowed ids."""
     allowed = [2532, 3087, 3120, 3413, 3855]
     constrained = {"prompt": "fimport os\nodef shuffle(self, x):\n", "max_tokens": 30, "temperature": 0.7,
                    "allowed_token_ids": allowed}  # fmt: skip
-    greedy = {"prompt": FIXED["prompt"], "max_tokens": 20, "temperature": 0.0, "ignore_eos": True}
-    expected = run.refs[_ref_key(COMPLETIONS, FIXED["prompt"], FIXED, FIXED["max_tokens"])][0][:20]
+    greedy = {"prompt": FIXED["prompt"], "max_tokens": 48, "temperature": 0.0, "ignore_eos": True}
+    expected = run.refs[_ref_key(COMPLETIONS, FIXED["prompt"], FIXED, FIXED["max_tokens"])][0][:48]
     problems = []
-    for attempt, gap in enumerate([0.0, 0.1, 0.2, 0.3, 0.5] * 2):
-        cases = [Case(COMPLETIONS, constrained, checks={"allowed"}), Case(COMPLETIONS, greedy, delay=gap)]
-        first, second = _send_batch(run.url, cases, 20 + attempt)
-        problems += [f"gap {gap}: {cases[0].describe()}\n    {p}" for p in _check(run, cases[0], first)]
-        if second.status != 200 or second.body["choices"][0]["token_ids"] != expected:
-            got = second.body["choices"][0]["token_ids"] if second.status == 200 else second.text
-            problems.append(f"gap {gap}: {cases[1].describe()}\n    greedy {got} != no-spec {expected}")
+    for attempt in range(2):
+        short = {"prompt": "class A:\n", "max_tokens": 2 + attempt, "temperature": 0.0, "ignore_eos": True}
+        cases = [Case(COMPLETIONS, short)]
+        cases += [Case(COMPLETIONS, greedy, delay=0.02 * (i + 1)) for i in range(7)]
+        cases.append(Case(COMPLETIONS, constrained, checks={"allowed"}, delay=0.2))
+        results = _send_batch(run.url, cases, 20 + attempt)
+        problems += [f"attempt {attempt}: {cases[-1].describe()}\n    {p}" for p in _check(run, cases[-1], results[-1])]
+        for i, res in enumerate(results[1:8]):
+            got = res.body["choices"][0]["token_ids"] if res.status == 200 else res.text
+            if got != expected:
+                problems.append(f"attempt {attempt}, greedy copy {i}: {got} != no-spec {expected}")
     problems += _after_batch(run, "allowed_token_ids", plain=False)
     assert not problems, _fail_message(run, problems)
 
