@@ -714,7 +714,7 @@ def _counter_problems(history: list[tuple[str, dict[str, Any]]], plain: bool) ->
     return out
 
 
-def _tracebacks(log: Path | None, limit: int = 3) -> str:
+def _tracebacks(log: Path | None, limit: int = 6) -> str:
     """The server log's last tracebacks, so a CI failure carries the engine's side of the story."""
     if log is None or not log.exists():
         return ""
