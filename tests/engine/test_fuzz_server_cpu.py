@@ -1160,7 +1160,7 @@ KNOWN_5XX: list[tuple[str, str, dict[str, Any] | None, str | None, str, list[dic
         COMPLETIONS,
         {"prompt": "import os\n", "max_tokens": 8, "temperature": 0.0, "logprobs": 2, "logprob_token_ids": [5, 6]},
         None,
-        "ok",
+        "4xx",
         [],
     ),
     (
@@ -1169,7 +1169,7 @@ KNOWN_5XX: list[tuple[str, str, dict[str, Any] | None, str | None, str, list[dic
         {"prompt": "def f(x):\n", "max_tokens": 8, "temperature": 0.5, "seed": 3, "logprobs": 1,
          "logprob_token_ids": [200]},
         None,
-        "ok",
+        "4xx",
         [],
     ),
     ("JSON list body", COMPLETIONS, None, '[{"model": "tiny", "prompt": "x"}]', "4xx", []),
@@ -1211,8 +1211,30 @@ KNOWN_5XX: list[tuple[str, str, dict[str, Any] | None, str | None, str, list[dic
 ]  # fmt: skip
 
 
+# Still answered with a 500 by vLLM 0.26 itself (the API server's body validators, the structured-output manager and
+# scheduler), with or without speculative decoding: strict xfails, so a vLLM that fixes one turns its case red
+# until the mark goes. logprob_token_ids is refused by the plugin with a 400 (``patches/requests.py``).
+VLLM_OPEN_5XX = {
+    "JSON list body",
+    "choice with a newline after an xgrammar request",
+    "structured output with ignore_eos",
+    "structured output with min_tokens past the grammar's end",
+    "grammar and allowed_token_ids disjoint",
+}
+
+
 @pytest.mark.parametrize(
-    ("path", "body", "raw", "expect", "before"), [k[1:] for k in KNOWN_5XX], ids=[k[0] for k in KNOWN_5XX]
+    ("path", "body", "raw", "expect", "before"),
+    [
+        pytest.param(
+            *k[1:],
+            id=k[0],
+            marks=[pytest.mark.xfail(strict=True, reason="vLLM 0.26 answers it with a 500")]
+            if k[0] in VLLM_OPEN_5XX
+            else [],
+        )
+        for k in KNOWN_5XX
+    ],
 )
 def test_known_5xx_bodies(
     run: Run, path: str, body: dict[str, Any] | None, raw: str | None, expect: str, before: list[dict[str, Any]]
@@ -1220,8 +1242,8 @@ def test_known_5xx_bodies(
     """Bodies that got a 500 from vLLM 0.26 in this fuzz; the answer must be a 200 or a 4xx with a message, and the
     server must stay healthy.
 
-    - ``logprob_token_ids``: ``RejectionSampler.forward`` builds logprob tensors only when ``max_num_logprobs`` is
-      set, which such requests leave unset (``to_sampling_params`` moves ``logprobs`` into ``logprob_token_ids``),
+    - ``logprob_token_ids`` (now a 400 from the plugin): ``RejectionSampler.forward`` builds logprob tensors
+      only when ``max_num_logprobs`` is set, which such requests leave unset (``to_sampling_params`` moves ``logprobs`` into ``logprob_token_ids``),
       so only the prefill step's entry comes back and ``_create_completion_logprobs`` indexes past the list. The
       same with ``speculative_config={"method": "dflash"}`` (no DDTree); fine without speculative decoding.
     - A JSON list body: ``CompletionRequest``'s ``mode="before"`` validators call ``data.get`` on it.

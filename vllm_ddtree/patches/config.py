@@ -24,7 +24,7 @@ from vllm_ddtree.config import (
     resolve_ddtree_config,
     split_speculative_config,
 )
-from vllm_ddtree.patches import metrics, patch_attr
+from vllm_ddtree.patches import metrics, patch_attr, requests
 
 logger = logging.getLogger("vllm.ddtree")  # under "vllm": vLLM's log handlers print it
 
@@ -177,3 +177,4 @@ def apply() -> None:
     patch_attr(EngineArgs, "create_speculative_config", create_speculative_config)
     patch_attr(SpeculativeConfig, "max_num_new_slots_for_drafting", property(_max_num_new_slots_for_drafting))
     metrics.apply()
+    requests.apply()

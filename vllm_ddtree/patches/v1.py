@@ -15,7 +15,9 @@
 * ``InputBatch.swap_states``: vLLM swaps two rows of the allowed-token-ids mask with a tuple assignment of row
   views, which copies one row over the other; when the decode-first reorder swaps a request that restricts its tokens
   with one that does not, the second gets the first one's mask (a greedy request then decodes from the wrong tokens).
-  The rows are put right after vLLM's swap.
+  The rows are put right after vLLM's swap. ``InputBatch.condense`` moves a request's mask row down without clearing
+  the row it leaves, and ``add_request`` writes rows only for requests with allowed ids, so the next request appended
+  there inherited the stale mask: rows past the batch are cleared after each condense.
 ``CPUModelRunner`` subclasses ``GPUModelRunner``, so it inherits the runner seams.
 """
 
@@ -110,6 +112,15 @@ def _swap_states(self: Any, i1: int, i2: int) -> None:
         mask[i1], mask[i2] = rows[1], rows[0]
 
 
+def _condense(self: Any) -> None:
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+
+    InputBatch._orig_condense(self)
+    mask = self.allowed_token_ids_mask_cpu_tensor
+    if mask is not None:
+        mask[self.num_reqs :] = False
+
+
 CPU_BACKEND = "vllm_ddtree.backends.cpu.DDTreeCPUAttentionBackend"
 
 
@@ -124,3 +135,4 @@ def apply() -> None:
     patch_attr(GPUModelRunner, "_prepare_inputs", _prepare_inputs)
     patch_attr(GPUModelRunner, "_bookkeeping_sync", _bookkeeping_sync)
     patch_attr(InputBatch, "swap_states", _swap_states)
+    patch_attr(InputBatch, "condense", _condense)
