@@ -1243,9 +1243,10 @@ def test_known_5xx_bodies(
     server must stay healthy.
 
     - ``logprob_token_ids`` (now a 400 from the plugin): ``RejectionSampler.forward`` builds logprob tensors
-      only when ``max_num_logprobs`` is set, which such requests leave unset (``to_sampling_params`` moves ``logprobs`` into ``logprob_token_ids``),
-      so only the prefill step's entry comes back and ``_create_completion_logprobs`` indexes past the list. The
-      same with ``speculative_config={"method": "dflash"}`` (no DDTree); fine without speculative decoding.
+      only when ``max_num_logprobs`` is set, which such requests leave unset (``to_sampling_params`` moves
+      ``logprobs`` into ``logprob_token_ids``), so only the prefill step's entry comes back and
+      ``_create_completion_logprobs`` indexes past the list. The same with ``speculative_config={"method":
+      "dflash"}`` (no DDTree); fine without speculative decoding.
     - A JSON list body: ``CompletionRequest``'s ``mode="before"`` validators call ``data.get`` on it.
     - A choice with a newline: ``choice_as_grammar`` puts the raw newline in an EBNF string, xgrammar refuses it, so
       the "auto" backend falls back to guidance for that request; the engine's ``StructuredOutputManager`` has
