@@ -8,35 +8,13 @@ import asyncio
 import json
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
+from kit.embedded_server import ENGINE, MAX_MODEL_LEN, MEMORY_FRACTION, SPEC, TARGET
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[2]
-TARGET = ROOT / "models" / "stdlib-qwen3-tiny"
-DRAFTER = ROOT / "models" / "stdlib-qwen3-tiny-dflash"
-MAX_MODEL_LEN = 512
-# vLLM-CPU checks that this fraction of the NUMA node's memory is free at startup (the KV cache itself is
-# VLLM_CPU_KVCACHE_SPACE); a low one lets the server start beside the reference engine and other tests.
-MEMORY_FRACTION = 0.3
-ENGINE = [
-    "--dtype",
-    "float32",
-    "--max-model-len",
-    str(MAX_MODEL_LEN),
-    "--max-num-seqs",
-    "8",
-    "--max-num-batched-tokens",
-    "512",
-    "--seed",
-    "0",
-    "--gpu-memory-utilization",
-    str(MEMORY_FRACTION),
-]
-SPEC = {"method": "ddtree", "model": str(DRAFTER), "num_speculative_tokens": 15}
 STREAM_PROMPT = "def f(x):\n"
 SHORT_PROMPT = "import os\n"
 LONG_PROMPT_IDS = [5 + (i * 7) % 4000 for i in range(450)]  # 450 of 512 tokens: chunked beside decoding streams

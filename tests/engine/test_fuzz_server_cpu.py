@@ -53,33 +53,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kit.embedded_server import BUDGET, ENGINE, MAX_MODEL_LEN, MEMORY_FRACTION, SPEC, TARGET
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[2]
-TARGET = ROOT / "models" / "stdlib-qwen3-tiny"
-DRAFTER = ROOT / "models" / "stdlib-qwen3-tiny-dflash"
-MAX_MODEL_LEN = 512
-BUDGET = 15
 VOCAB = 4096
 EOS = 0
 MAX_LOGPROBS = 20
-MEMORY_FRACTION = 0.3
-ENGINE = [
-    "--dtype",
-    "float32",
-    "--max-model-len",
-    str(MAX_MODEL_LEN),
-    "--max-num-seqs",
-    "8",
-    "--max-num-batched-tokens",
-    "512",
-    "--seed",
-    "0",
-    "--gpu-memory-utilization",
-    str(MEMORY_FRACTION),
-]
-SPEC = {"method": "ddtree", "model": str(DRAFTER), "num_speculative_tokens": BUDGET}
 SEED = int(os.environ.get("DDTREE_FUZZ_SEED", "39"))
 NUM_BATCHES = int(os.environ.get("DDTREE_FUZZ_BATCHES", "8"))
 BATCH_SIZE = 14
