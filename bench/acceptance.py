@@ -120,6 +120,7 @@ def run_one(args: argparse.Namespace) -> None:
             "method": args.method,
             "model": drafter,
             "num_speculative_tokens": args.budget,
+            "adaptive_budget": False,  # acceptance of the whole budget, every step
             "draft_load_config": {"load_format": "safetensors"},
         }
     method = None if args.method == "none" else args.method

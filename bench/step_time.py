@@ -182,6 +182,8 @@ class EngineBench:
         spec = None
         if spec_method:
             spec = {"method": spec_method, "model": str(drafter), "num_speculative_tokens": args.budget}
+            if spec_method == "ddtree":
+                spec["adaptive_budget"] = False  # the step of a fixed width is what this bench times
         self.llm = LLM(
             model=str(target),
             load_format="dummy",

@@ -100,7 +100,7 @@ def run_task(url: str, task: str, task_dir: Path, limit: int | None) -> tuple[di
     return metrics, [s["resps"][0][0] for s in samples]
 
 
-def server_args(target: Path, drafter: Path | None, budget: int, gpu: bool) -> list[str]:
+def server_args(target: Path, drafter: Path | None, budget: int, gpu: bool, adaptive: bool = True) -> list[str]:
     args = [
         "--model",
         str(target),
@@ -121,6 +121,7 @@ def server_args(target: Path, drafter: Path | None, budget: int, gpu: bool) -> l
             "method": "ddtree",
             "model": str(drafter),
             "num_speculative_tokens": budget,
+            "adaptive_budget": adaptive,
             "draft_load_config": {"load_format": "safetensors"},
         }
         args += ["--speculative-config", json.dumps(spec)]
@@ -138,6 +139,9 @@ def main() -> int:
     parser.add_argument("--target", type=Path, default=MODELS / pair)
     parser.add_argument("--drafter", type=Path, default=MODELS / f"{pair}-dflash")
     parser.add_argument("--budget", type=int, default=15, help="ddtree node budget (num_speculative_tokens)")
+    parser.add_argument(
+        "--fixed-budget", action="store_true", help="every step verifies the whole budget (adaptive_budget false)"
+    )
     parser.add_argument("--task", default=TASK)
     parser.add_argument("--task-dir", type=Path, help="lm-eval include path holding --task (default: the built-in)")
     parser.add_argument("--limit", type=int, default=None, help="first N docs only")
@@ -154,7 +158,9 @@ def main() -> int:
             write_default_task(task_dir, args.target)
         for name, drafter in (("no speculation", None), (f"ddtree {args.budget}", args.drafter)):
             log = Path(tmp) / f"server-{len(rows)}.log"
-            with openai_server(server_args(args.target, drafter, args.budget, gpu), log_path=str(log)) as url:
+            with openai_server(
+                server_args(args.target, drafter, args.budget, gpu, not args.fixed_budget), log_path=str(log)
+            ) as url:
                 metrics, answers = run_task(url, args.task, task_dir, args.limit)
                 accept = mean_acceptance_length(spec_decode_counters(url)) if drafter else None
             rows[name] = {"metrics": metrics, "answers": answers, "mean_acceptance_length": accept}

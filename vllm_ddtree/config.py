@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_ddtree.adaptive import candidate_budgets, forced_budgets
 from vllm_ddtree.constants import MAX_TREE_BUDGET, MAX_TREE_WIDTH
 
 METHOD = "ddtree"
@@ -30,7 +31,8 @@ MAX_BUDGET = min(VLLM_MAX_SPEC_LEN, MAX_TREE_BUDGET)
 DDTREE_KEYS: dict[str, str] = {
     "topk": "candidate tokens per depth (1..budget; default min(budget, 8))",
     "max_depth": "deepest tree level (1..drafter block_size-1; default block_size-1)",
-    "adaptive_budget": "reserved switch for a per-step adaptive node budget (only false for now)",
+    "adaptive_budget": "true (default): each decode step verifies the tree prefix, or no drafts, that a cost model and "
+    "running acceptance make fastest for the batch; false: every step verifies the whole budget",
 }
 DEFAULT_TOPK = 8
 
@@ -50,13 +52,18 @@ class DDTreeConfig:
     max_depth: int
     """Tree depth D: the drafter predicts D positions in one pass (DFlash block_size - 1 by default, at most the
     budget)."""
-    adaptive_budget: bool = False
-    """Reserved: always False until the adaptive budget lands."""
+    adaptive_budget: bool = True
+    """Each decode step verifies a prefix of ``budgets`` nodes chosen for the load (``vllm_ddtree.adaptive``)."""
 
     @property
     def width(self) -> int:
         """Tokens per request in the verify step (root + nodes)."""
         return self.budget + 1
+
+    @property
+    def budgets(self) -> tuple[int, ...]:
+        """Node budgets a decode step may verify: the candidates when adaptive, else the budget alone."""
+        return candidate_budgets(self.budget) if self.adaptive_budget else (self.budget,)
 
 
 def _is_int(value: Any) -> bool:
@@ -126,11 +133,11 @@ def split_speculative_config(raw: Mapping[str, Any], vllm_keys: Iterable[str]) -
     max_depth = spec.pop("max_depth", None)
     if max_depth is not None:
         _check_int_range("max_depth", max_depth, 1, VLLM_MAX_SPEC_LEN)
-    adaptive = spec.pop("adaptive_budget", False)
-    if adaptive is not False:
+    adaptive = spec.pop("adaptive_budget", True)
+    if not isinstance(adaptive, bool):
         raise DDTreeConfigError(
-            f"ddtree speculative config: 'adaptive_budget' is {adaptive!r}, but it is reserved for a future "
-            f"adaptive node budget and only false is accepted."
+            f"ddtree speculative config: 'adaptive_budget' is {adaptive!r}, but it must be true (choose each step's "
+            f"node budget for the load) or false (always verify all {budget} nodes)."
         )
     if spec.get("draft_sample_method", "greedy") != "greedy":
         raise DDTreeConfigError(
@@ -148,7 +155,7 @@ def split_speculative_config(raw: Mapping[str, Any], vllm_keys: Iterable[str]) -
             "node budget; remove it and set 'num_speculative_tokens'."
         )
     spec["method"] = "dflash"
-    return spec, DDTreeRequest(budget=budget, topk=topk, max_depth=max_depth, adaptive_budget=False)
+    return spec, DDTreeRequest(budget=budget, topk=topk, max_depth=max_depth, adaptive_budget=adaptive)
 
 
 def is_dflash_architecture(architecture: str) -> bool:
@@ -197,7 +204,22 @@ def resolve_ddtree_config(request: DDTreeRequest, block_size: int | None) -> DDT
     # A tree of `budget` nodes is never deeper than `budget`, and the drafter's extra query tokens would need KV
     # slots vLLM's scheduler does not reserve (it looks ahead budget+1 tokens for DFlash), so the depth is capped.
     max_depth = min(max_depth, request.budget)
-    return DDTreeConfig(budget=request.budget, topk=topk, max_depth=max_depth, adaptive_budget=False)
+    return DDTreeConfig(budget=request.budget, topk=topk, max_depth=max_depth, adaptive_budget=request.adaptive_budget)
+
+
+def check_forced_budgets(ddtree: DDTreeConfig, forced: str | None) -> None:
+    """``VLLM_DDTREE_ADAPTIVE_FORCE`` (tests, benches) must name candidate budgets of an adaptive config."""
+    if forced is None:
+        return
+    if not ddtree.adaptive_budget:
+        raise DDTreeConfigError(
+            f"VLLM_DDTREE_ADAPTIVE_FORCE={forced} forces the adaptive budget's choices, but 'adaptive_budget' is "
+            f"false; unset the variable or drop 'adaptive_budget': false."
+        )
+    try:
+        forced_budgets(forced, ddtree.budgets)
+    except ValueError as err:
+        raise DDTreeConfigError(str(err)) from None
 
 
 def check_parallel_config(parallel_config: Any) -> None:

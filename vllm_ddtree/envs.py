@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     VLLM_DDTREE_MLA_VARIANT: str = "auto"
     VLLM_DDTREE_MLA_PDL: bool = True
     VLLM_DDTREE_MLA_DECODE_CTAS_PER_SM: int = 0
+    VLLM_DDTREE_ADAPTIVE_FORCE: str | None = None
     TRITON_INTERPRET: bool = False
     TORCH_CUDA_ARCH_LIST: str = ""
     CUDA_HOME: str = "/usr/local/cuda"
@@ -75,6 +76,16 @@ def _positive_int_or_unset(name: str, meaning: str) -> Callable[[], int]:
     return read
 
 
+def _budget_cycle(name: str) -> Callable[[], str | None]:
+    def read() -> str | None:
+        value = os.environ.get(name) or None
+        if value is not None and not all(part.isascii() and part.isdigit() for part in value.split(",")):
+            raise ValueError(f"{name} must be comma-separated node budgets such as 15,0,7 (or unset), got {value!r}")
+        return value
+
+    return read
+
+
 environment_variables: dict[str, Callable[[], Any]] = {
     # Kernel sources to build instead of the packaged vllm_ddtree/kernels/csrc (A/B timing of a kernel change).
     "VLLM_DDTREE_CSRC": lambda: os.environ.get("VLLM_DDTREE_CSRC") or None,
@@ -92,6 +103,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "VLLM_DDTREE_MLA_DECODE_CTAS_PER_SM": _positive_int_or_unset(
         "VLLM_DDTREE_MLA_DECODE_CTAS_PER_SM", "CTAs of the decode kernel per SM; unset: its occupancy"
     ),
+    # Tests and benches: the adaptive budget cycles through these comma-separated budgets, one per step, instead of
+    # choosing (each must be one of its candidate budgets; checked where the policy is built).
+    "VLLM_DDTREE_ADAPTIVE_FORCE": _budget_cycle("VLLM_DDTREE_ADAPTIVE_FORCE"),
 }
 """The plugin's knobs: name -> reader (validates, returns the typed value)."""
 

@@ -79,6 +79,7 @@ def test_greedy_ddtree_equals_target_greedy(
         model=str(target),
         speculative_config={
             "method": "ddtree",
+            "adaptive_budget": False,  # every step verifies trees: the tree machinery is under test
             "model": str(drafter),
             "num_speculative_tokens": budget,
             "draft_load_config": {"load_format": "safetensors"},
@@ -110,6 +111,7 @@ def test_chain_only_features_and_sampling(
         model=str(target),
         speculative_config={
             "method": "ddtree",
+            "adaptive_budget": False,  # every step verifies trees: the tree machinery is under test
             "model": str(drafter),
             "num_speculative_tokens": 7,
             "draft_load_config": {"load_format": "safetensors"},
@@ -163,6 +165,7 @@ def test_greedy_ddtree_with_chunked_prefill_and_prefix_hits(tiny_pair: tuple[Pat
         model=str(target),
         speculative_config={
             "method": "ddtree",
+            "adaptive_budget": False,  # every step verifies trees: the tree machinery is under test
             "model": str(drafter),
             "num_speculative_tokens": 7,
             "draft_load_config": {"load_format": "safetensors"},

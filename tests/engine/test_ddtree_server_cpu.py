@@ -37,6 +37,7 @@ def test_openai_server_ddtree_matches_plain_greedy(tiny_pair: tuple[Path, Path],
         "method": "ddtree",
         "model": str(drafter),
         "num_speculative_tokens": 15,
+        "adaptive_budget": False,  # every step verifies trees (the acceptance below says they were accepted)
         "draft_load_config": {"load_format": "safetensors"},
     }
     args = [

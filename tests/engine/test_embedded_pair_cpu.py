@@ -39,6 +39,7 @@ def test_embedded_pair_is_exact_and_accepts(tmp_path: Path) -> None:
         model=str(TARGET),
         speculative_config={
             "method": "ddtree",
+            "adaptive_budget": False,  # the trained pair's acceptance with every step verifying its trees
             "model": str(DRAFTER),
             "num_speculative_tokens": 15,
             "draft_load_config": {"load_format": "safetensors"},

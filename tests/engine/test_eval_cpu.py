@@ -30,7 +30,8 @@ def test_lm_eval_scores_equal_with_ddtree(tmp_path: Path) -> None:
         "CUDA_VISIBLE_DEVICES": "",
     }
     res = subprocess.run(
-        [sys.executable, str(ROOT / "eval" / "lm_eval_check.py"), "--limit", "16", "--budget", "7", "--out", str(out)],
+        [sys.executable, str(ROOT / "eval" / "lm_eval_check.py"), "--limit", "16", "--budget", "7", "--fixed-budget"]
+        + ["--out", str(out)],
         env=env,
         capture_output=True,
         text=True,

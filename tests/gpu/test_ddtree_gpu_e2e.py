@@ -63,7 +63,7 @@ def test_greedy_ddtree_matches_target_and_replays_full_graphs(tiny_pair, referen
 
     from vllm_ddtree.v2.speculator import DDTreeSpeculator
 
-    spec = {"method": "ddtree", "model": str(tiny_pair[1]), "num_speculative_tokens": budget}
+    spec = {"method": "ddtree", "model": str(tiny_pair[1]), "num_speculative_tokens": budget, "adaptive_budget": False}
     llm = LLM(model=str(tiny_pair[0]), speculative_config=spec, **ENGINE)
     model_runner = runner(llm)
     assert isinstance(model_runner.speculator, DDTreeSpeculator)
@@ -94,7 +94,7 @@ def test_greedy_ddtree_with_chunked_prefill_and_prefix_hits(tiny_pair) -> None:
     engine = {**ENGINE, "max_num_batched_tokens": 64, "enable_prefix_caching": True}
     batch_prompts = shared_prefix_prompts()
     want = generate_once(str(tiny_pair[0]), batch_prompts, 8, engine)
-    spec = {"method": "ddtree", "model": str(tiny_pair[1]), "num_speculative_tokens": 7}
+    spec = {"method": "ddtree", "model": str(tiny_pair[1]), "num_speculative_tokens": 7, "adaptive_budget": False}
     llm = LLM(model=str(tiny_pair[0]), speculative_config=spec, **engine)
     assert generate(llm, batch_prompts, batch=8) == want
     metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
@@ -106,7 +106,7 @@ def test_greedy_ddtree_with_chunked_prefill_and_prefix_hits(tiny_pair) -> None:
 def test_sampling_and_chain_features_finish(tiny_pair) -> None:
     from vllm import LLM
 
-    spec = {"method": "ddtree", "model": str(tiny_pair[1]), "num_speculative_tokens": 15}
+    spec = {"method": "ddtree", "model": str(tiny_pair[1]), "num_speculative_tokens": 15, "adaptive_budget": False}
     llm = LLM(model=str(tiny_pair[0]), speculative_config=spec, **ENGINE)
     batch_prompts = prompts(16)
     sampled = generate(llm, batch_prompts, batch=8, temperature=0.8, top_p=0.9, seed=1)
@@ -126,7 +126,7 @@ def test_seeded_sampling_matches_the_target_token_for_token(tiny_pair) -> None:
     batch_prompts = prompts(16)
     sampling = dict(temperature=0.8, top_p=0.95, seed=7)
     want = generate_once(str(tiny_pair[0]), batch_prompts, 8, ENGINE, **sampling)
-    spec = {"method": "ddtree", "model": str(tiny_pair[1]), "num_speculative_tokens": 15}
+    spec = {"method": "ddtree", "model": str(tiny_pair[1]), "num_speculative_tokens": 15, "adaptive_budget": False}
     got = generate_once(str(tiny_pair[0]), batch_prompts, 8, dict(ENGINE, speculative_config=spec), **sampling)
     assert got == want
 
@@ -143,6 +143,39 @@ def test_bf16_greedy_matches_target_up_to_near_ties(tiny_pair) -> None:
     want, margins = generate_with_margins(llm, batch_prompts, 8)
     del llm
     free()
-    spec = {"method": "ddtree", "model": str(tiny_pair[1]), "num_speculative_tokens": 15}
+    spec = {"method": "ddtree", "model": str(tiny_pair[1]), "num_speculative_tokens": 15, "adaptive_budget": False}
     got = generate_once(str(tiny_pair[0]), batch_prompts, 8, dict(engine, speculative_config=spec))
     assert_equal_up_to_near_ties("bf16 ddtree budget 15", got, want, margins)
+
+
+def _policy_state(llm) -> tuple[list[int], dict[int, float], int]:
+    """The in-process policy: budgets with start-up timings, acceptance seen, choices made."""
+    from vllm_ddtree.adaptive import local_policy
+
+    policy = local_policy()
+    assert policy is not None, "the worker registered its adaptive budget for this process's scheduler"
+    return policy.costs.budgets, policy.stats.expected(), policy._choices
+
+
+def test_adaptive_budget_switching_widths_stays_exact(tiny_pair, reference, monkeypatch) -> None:
+    """A forced cycle of budgets (no speculation, prefixes, the whole tree) switches the verify width every step:
+    greedy output is still the target's, each width replays FULL graphs; then the real policy decodes the same."""
+    from vllm import LLM
+
+    spec = {"method": "ddtree", "model": str(tiny_pair[1]), "num_speculative_tokens": 7}
+    monkeypatch.setenv("VLLM_DDTREE_ADAPTIVE_FORCE", "7,0,3,1,0,7,3")
+    llm = LLM(model=str(tiny_pair[0]), speculative_config=spec, **ENGINE)
+    verify = ReplayCounter(runner(llm).cudagraph_manager)
+    assert generate(llm, prompts(), batch=8) == reference
+    assert generate(llm, prompts()[:6], batch=1) == reference[:6]
+    budgets, _, choices = _policy_state(llm)
+    assert budgets == [0, 1, 3, 7] and choices > 20 and verify.count > choices // 2, (budgets, choices, verify.count)
+    del llm
+    free()
+    monkeypatch.delenv("VLLM_DDTREE_ADAPTIVE_FORCE")
+    llm = LLM(model=str(tiny_pair[0]), speculative_config=spec, **ENGINE)
+    assert generate(llm, prompts(), batch=8) == reference
+    budgets, seen, choices = _policy_state(llm)
+    assert budgets == [0, 1, 3, 7] and choices > 0 and seen, (budgets, seen, choices)
+    del llm
+    free()

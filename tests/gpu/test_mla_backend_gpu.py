@@ -136,7 +136,7 @@ def test_ddtree_mla_matches_target_and_replays_full_graphs(
 
     want, margins = custom_reference(kv_cache_dtype, context)  # before this test's engine: one engine at a time
     monkeypatch.setenv("VLLM_DDTREE_MLA_CONTEXT", context)
-    spec = {"method": "ddtree", "model": str(mla_pair[1]), "num_speculative_tokens": budget}
+    spec = {"method": "ddtree", "model": str(mla_pair[1]), "num_speculative_tokens": budget, "adaptive_budget": False}
     llm = LLM(model=str(mla_pair[0]), speculative_config=spec, kv_cache_dtype=kv_cache_dtype, **ENGINE)
     model_runner = runner(llm)
     assert isinstance(model_runner.speculator, DDTreeSpeculator)
@@ -161,6 +161,23 @@ def test_ddtree_mla_matches_target_and_replays_full_graphs(
     free()
 
 
+def test_adaptive_budget_on_mla_switches_widths(mla_pair, custom_reference, monkeypatch) -> None:
+    """Our MLA verify at every width a forced budget cycle reaches (FULL graphs of each), default context path:
+    the target's output up to the same near-ties as the fixed-budget test."""
+    from vllm import LLM
+
+    want, margins = custom_reference("auto", "auto")
+    monkeypatch.setenv("VLLM_DDTREE_ADAPTIVE_FORCE", "15,0,7,1,3,0,15")
+    spec = {"method": "ddtree", "model": str(mla_pair[1]), "num_speculative_tokens": 15}
+    llm = LLM(model=str(mla_pair[0]), speculative_config=spec, **ENGINE)
+    verify = ReplayCounter(runner(llm).cudagraph_manager)
+    assert_equal_up_to_near_ties("adaptive forced batch 8", generate(llm, prompts(), batch=8), want, margins)
+    assert_equal_up_to_near_ties("adaptive forced batch 1", generate(llm, prompts(), batch=1), want, margins)
+    assert verify.count > 0
+    del llm
+    free()
+
+
 def test_ddtree_mla_with_chunked_prefill_and_prefix_hits(mla_pair) -> None:
     """Long prompts prefilled in 64-token chunks (vLLM's MLA prefill over the cached context) in the same steps as
     other requests' tree verifies (our MQA path), prefixes from the prefix cache: ddtree decodes the target's greedy
@@ -170,7 +187,7 @@ def test_ddtree_mla_with_chunked_prefill_and_prefix_hits(mla_pair) -> None:
     engine = {"max_num_batched_tokens": 64, "enable_prefix_caching": True}
     batch_prompts = shared_prefix_prompts()
     want, margins = _greedy(mla_pair[0], batch_prompts, attention_backend="CUSTOM", **engine)
-    spec = {"method": "ddtree", "model": str(mla_pair[1]), "num_speculative_tokens": 7}
+    spec = {"method": "ddtree", "model": str(mla_pair[1]), "num_speculative_tokens": 7, "adaptive_budget": False}
     llm = LLM(model=str(mla_pair[0]), speculative_config=spec, **{**ENGINE, **engine})
     got = generate(llm, batch_prompts, batch=8)
     assert_equal_up_to_near_ties("ddtree MLA, chunked prefill + prefix hits", got, want, margins)
@@ -251,7 +268,7 @@ def test_ddtree_mla_runs_eagerly(mla_pair, custom_reference) -> None:
     from vllm import LLM
 
     want, margins = custom_reference("auto", "flashmla")
-    spec = {"method": "ddtree", "model": str(mla_pair[1]), "num_speculative_tokens": 7}
+    spec = {"method": "ddtree", "model": str(mla_pair[1]), "num_speculative_tokens": 7, "adaptive_budget": False}
     engine = {**ENGINE, "enforce_eager": True, "compilation_config": {"mode": 0, "cudagraph_mode": "NONE"}}
     llm = LLM(model=str(mla_pair[0]), speculative_config=spec, **engine)
     assert_equal_up_to_near_ties("ddtree eager", generate(llm, prompts(), batch=8), want, margins)

@@ -44,7 +44,7 @@ def test_split_maps_to_dflash_and_keeps_vllm_keys() -> None:
         "num_speculative_tokens": 16,
         "draft_load_config": {"load_format": "safetensors"},
     }
-    assert (request.budget, request.topk, request.max_depth, request.adaptive_budget) == (16, 4, 7, False)
+    assert (request.budget, request.topk, request.max_depth, request.adaptive_budget) == (16, 4, 7, True)
 
 
 def test_defaults_follow_the_drafter_block_size() -> None:
@@ -52,6 +52,9 @@ def test_defaults_follow_the_drafter_block_size() -> None:
     cfg = resolve_ddtree_config(request, block_size=16)
     assert cfg == DDTreeConfig(budget=16, topk=8, max_depth=15)
     assert cfg.width == 17
+    assert cfg.adaptive_budget and cfg.budgets == (0, 1, 3, 7, 15, 16)
+    _, fixed = _split(adaptive_budget=False)
+    assert resolve_ddtree_config(fixed, block_size=16).budgets == (16,)
     _, small = split_speculative_config({"method": "ddtree", "model": "/m", "num_speculative_tokens": 3}, VLLM_KEYS)
     assert resolve_ddtree_config(small, block_size=4).topk == 3
 
@@ -66,7 +69,8 @@ def test_defaults_follow_the_drafter_block_size() -> None:
         ({"topk": 0}, "'topk' is 0, but it must be an integer from 1 to 16"),
         ({"topk": 17}, "'topk' is 17, but it must be an integer from 1 to 16"),
         ({"max_depth": 0}, "'max_depth' is 0"),
-        ({"adaptive_budget": True}, "'adaptive_budget' is True, but it is reserved"),
+        ({"adaptive_budget": "yes"}, "'adaptive_budget' is 'yes', but it must be true (choose each step's node budget"),
+        ({"adaptive_budget": 1}, "'adaptive_budget' is 1, but it must be true"),
         ({"top_k": 3}, "unknown key 'top_k'; did you mean 'topk'?"),
         ({"draft_sample_method": "probabilistic"}, "accepts only 'greedy'"),
         ({"rejection_sample_method": "synthetic"}, "accepts only 'standard'"),

@@ -16,6 +16,7 @@ DEFAULTS = {
     "VLLM_DDTREE_MLA_VARIANT": "auto",
     "VLLM_DDTREE_MLA_PDL": True,
     "VLLM_DDTREE_MLA_DECODE_CTAS_PER_SM": 0,
+    "VLLM_DDTREE_ADAPTIVE_FORCE": None,
 }
 
 
@@ -44,6 +45,7 @@ def test_one_prefix_and_the_defaults() -> None:
         ("VLLM_DDTREE_MLA_PDL", "0", False),
         ("VLLM_DDTREE_MLA_PDL", "1", True),
         ("VLLM_DDTREE_MLA_DECODE_CTAS_PER_SM", "7", 7),
+        ("VLLM_DDTREE_ADAPTIVE_FORCE", "15,0,7", "15,0,7"),
     ],
 )
 def test_values(name: str, value: str, want: object, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -59,6 +61,7 @@ def test_values(name: str, value: str, want: object, monkeypatch: pytest.MonkeyP
         ("VLLM_DDTREE_MLA_PDL", "off", "must be 0 or 1"),
         ("VLLM_DDTREE_MLA_DECODE_CTAS_PER_SM", "0", "must be a positive integer"),
         ("VLLM_DDTREE_MLA_DECODE_CTAS_PER_SM", "two", "must be a positive integer"),
+        ("VLLM_DDTREE_ADAPTIVE_FORCE", "15;0", "must be comma-separated node budgets"),
     ],
 )
 def test_bad_values_are_refused(name: str, value: str, sentence: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,6 +4,10 @@
   :class:`~vllm_ddtree.config.DDTreeConfig` (``SpeculativeConfig.ddtree``), and pick Model Runner V2 on CUDA.
 * ``SpeculativeConfig.max_num_new_slots_for_drafting``: a DDTree drafter adds ``max_depth - 1`` mask tokens per
   request, not ``budget - 1`` as a DFlash chain of the same width would.
+
+With an adaptive budget the resulting config also names every candidate budget in vLLM's
+``num_speculative_tokens_per_batch_size``, which makes Model Runner V2 capture FULL decode graphs for each of them
+(``adaptive.dynamic_sd_table``); the scheduler seam (``patches.scheduler``) replaces the lookup vLLM builds from it.
 """
 
 from __future__ import annotations
@@ -13,10 +17,13 @@ import logging
 import os
 from typing import Any
 
+from vllm_ddtree import envs
+from vllm_ddtree.adaptive import dynamic_sd_table
 from vllm_ddtree.config import (
     METHOD,
     DDTreeConfigError,
     check_drafter_architectures,
+    check_forced_budgets,
     check_parallel_config,
     check_target_and_features,
     drafter_block_size,
@@ -24,7 +31,7 @@ from vllm_ddtree.config import (
     resolve_ddtree_config,
     split_speculative_config,
 )
-from vllm_ddtree.patches import metrics, patch_attr, requests
+from vllm_ddtree.patches import metrics, patch_attr, requests, scheduler
 
 logger = logging.getLogger("vllm.ddtree")  # under "vllm": vLLM's log handlers print it
 
@@ -147,14 +154,20 @@ def create_speculative_config(self: Any, target_model_config: Any, target_parall
     draft_hf = spec_config.draft_model_config.hf_config if spec_config.draft_model_config else None
     spec_config.ddtree = resolve_ddtree_config(request, drafter_block_size(draft_hf))
     ddtree = spec_config.ddtree
+    check_forced_budgets(ddtree, envs.VLLM_DDTREE_ADAPTIVE_FORCE)
+    if ddtree.adaptive_budget:
+        spec_config.num_speculative_tokens_per_batch_size = dynamic_sd_table(ddtree.budgets)
     metrics.note_ddtree(ddtree)
     logger.info(
         "DDTree speculative decoding is on: trees of %d nodes (top-%d per depth, depth <= %d) drafted by the DFlash "
-        "drafter %s; vLLM's own logs call the method 'dflash' and count every tree node as a draft token.",
+        "drafter %s, %s; vLLM's own logs call the method 'dflash' and count every tree node as a draft token.",
         ddtree.budget,
         ddtree.topk,
         ddtree.max_depth,
         vllm_dict["model"],
+        f"each step verifying the prefix of {list(ddtree.budgets)} nodes that is fastest for the load"
+        if ddtree.adaptive_budget
+        else "every step verifying all of them",
     )
     return spec_config
 
@@ -178,3 +191,4 @@ def apply() -> None:
     patch_attr(SpeculativeConfig, "max_num_new_slots_for_drafting", property(_max_num_new_slots_for_drafting))
     metrics.apply()
     requests.apply()
+    scheduler.apply()

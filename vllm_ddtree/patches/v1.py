@@ -18,6 +18,8 @@
   The rows are put right after vLLM's swap. ``InputBatch.condense`` moves a request's mask row down without clearing
   the row it leaves, and ``add_request`` writes rows only for requests with allowed ids, so the next request appended
   there inherited the stale mask: rows past the batch are cleared after each condense.
+* ``CPUModelRunner.warming_up_model``: afterwards, with an adaptive budget, time dummy decode steps of every
+  candidate budget and give the proposer its policy (``vllm_ddtree.adaptive``).
 ``CPUModelRunner`` subclasses ``GPUModelRunner``, so it inherits the runner seams.
 """
 
@@ -62,17 +64,28 @@ def _prepare_inputs(self: Any, scheduler_output: Any, num_scheduled_tokens: Any)
     if state is None:
         return result
     state.paths = None
-    if result[1] is None:  # no drafts scheduled this step
-        state.skip_step()
-        return result
     num_reqs = self.input_batch.num_reqs
     req_ids = list(self.input_batch.req_ids[:num_reqs])
     spec = scheduler_output.scheduled_spec_decode_tokens
     drafts = [list(spec.get(req_id, ())) for req_id in req_ids]
+    state.note_step_shape([int(n) for n in num_scheduled_tokens[:num_reqs]], drafts)
+    if result[1] is None:  # no drafts scheduled this step
+        state.skip_step()
+        return result
     query_start = self.query_start_loc.np[: num_reqs + 1].tolist()
     chain = needs_chain(self.input_batch.sampling_metadata, scheduler_output.has_structured_output_requests)
     state.begin_step(req_ids, drafts, self.positions, query_start, chain_only=chain)
     return result
+
+
+def _warming_up_model(self: Any) -> None:
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    from vllm_ddtree.v1.proposer import DDTreeProposer
+
+    CPUModelRunner._orig_warming_up_model(self)
+    if isinstance(getattr(self, "drafter", None), DDTreeProposer):
+        self.drafter.init_adaptive_budget(self)
 
 
 def _snapshot_discarded_cpu_generators(runner: Any) -> None:
@@ -136,3 +149,6 @@ def apply() -> None:
     patch_attr(GPUModelRunner, "_bookkeeping_sync", _bookkeeping_sync)
     patch_attr(InputBatch, "swap_states", _swap_states)
     patch_attr(InputBatch, "condense", _condense)
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    patch_attr(CPUModelRunner, "warming_up_model", _warming_up_model)

@@ -14,9 +14,10 @@
   scheduler metadata twice a step, host time in a batch-1 step that is host-bound).
 * ``GPUModelRunner.prepare_attn``: after slot mappings were computed from linear positions, write the depth
   positions of tree rows in place and the per-token tree bits the tree-attention backend reads.
-* ``Scheduler.__init__``: with Model Runner V2 the scheduler's per-step scan for blocks common to all running
-  requests (an input of V1's cascade attention, which V2 never reads) is skipped: a Python loop over every block of
-  a request every step, host time in a batch-1 step that is host-bound.
+* ``GPUModelRunner.capture_model``: afterwards, with an adaptive budget, time dummy decode steps of every candidate
+  budget (``v2.step_costs``) and register the policy for this process's scheduler (``vllm_ddtree.adaptive``).
+* ``GPUModelRunner.execute_model``: tell the speculator the budget the scheduler chose for the next step
+  (``SchedulerOutput.num_spec_tokens_to_schedule``), so it skips the drafter pass when that step verifies nothing.
 * ``CudaPlatform.get_attn_backend_cls``: vLLM has one ``CUSTOM`` slot; point it at the MLA or the GQA tree backend
   for the layer being built (a model's target layers are all MLA or all not).
 * The DFlash drafter model's ``precompute_and_store_context_kv`` (an instance attribute, nothing in vLLM's classes):
@@ -141,13 +142,26 @@ def _prepare_attn(self: Any, input_batch: Any) -> Any:
     return result
 
 
-def _scheduler_init(self: Any, *args: Any, **kwargs: Any) -> None:
-    from vllm.v1.core.sched.scheduler import Scheduler
+def _capture_model(self: Any) -> int:
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
-    Scheduler._orig___init__(self, *args, **kwargs)
-    if self.use_v2_model_runner and get_ddtree_config(self.vllm_config) is not None:
-        num_groups = len(self.kv_cache_config.kv_cache_groups)
-        self.kv_cache_manager.get_num_common_prefix_blocks = lambda request_id: [0] * num_groups
+    from vllm_ddtree.v2.speculator import DDTreeSpeculator
+
+    size = GPUModelRunner._orig_capture_model(self)
+    if isinstance(getattr(self, "speculator", None), DDTreeSpeculator):
+        self.speculator.init_adaptive_budget(self)
+    return size
+
+
+def _execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    from vllm_ddtree.v2.speculator import DDTreeSpeculator
+
+    speculator = getattr(self, "speculator", None)
+    if isinstance(speculator, DDTreeSpeculator) and not kwargs.get("dummy_run", False):
+        speculator.step.note_schedule(scheduler_output)
+    return GPUModelRunner._orig_execute_model(self, scheduler_output, *args, **kwargs)
 
 
 GQA_BACKEND = "vllm_ddtree.backends.gqa.DDTreeGQABackend"
@@ -208,9 +222,8 @@ def apply() -> None:
     patch_attr(model_runner.GPUModelRunner, "prepare_attn", _prepare_attn)
     patch_attr(DefaultModelState, "prepare_attn", _model_state_prepare_attn)
     patch_attr(DefaultModelState, "add_request", _model_state_add_request)
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    patch_attr(Scheduler, "__init__", _scheduler_init)
+    patch_attr(model_runner.GPUModelRunner, "capture_model", _capture_model)
+    patch_attr(model_runner.GPUModelRunner, "execute_model", _execute_model)
     from vllm.platforms.cuda import CudaPlatform
 
     patch_attr(CudaPlatform, "get_attn_backend_cls", classmethod(_get_attn_backend_cls))

@@ -8,16 +8,34 @@ path order and positions are made linear again, so DFlash sees exactly the histo
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 import torch
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
+from vllm_ddtree import envs
 from vllm_ddtree.accept import AcceptedPaths, path_permutation
+from vllm_ddtree.adaptive import (
+    AcceptanceStats,
+    AdaptiveBudget,
+    StepCosts,
+    describe_policy,
+    forced_budgets,
+    measure_step_costs,
+)
 from vllm_ddtree.config import DDTreeConfig, get_ddtree_config
 from vllm_ddtree.draft_topk import topk_logprobs
 from vllm_ddtree.tree import DraftTrees, build_trees
 from vllm_ddtree.v1.step_state import V1StepState, needs_chain
+
+logger = logging.getLogger("vllm.ddtree")
+
+CPU_TIMING_MAX_TOKENS = 1024
+"""Largest dummy step timed at start-up on vLLM-CPU (larger batches follow the last timings' slope)."""
+IDLE_GAP_FACTOR = 20.0
+"""A time between proposals beyond this many predicted steps (plus a second) was an idle engine, not a step."""
 
 
 def path_context(
@@ -81,6 +99,18 @@ class DDTreeProposer(DFlashProposer):
         num_rejected_tokens_gpu: torch.Tensor | None = None,
         slot_mappings: Any = None,
     ) -> torch.Tensor:
+        """The next step's drafts: the first ``k`` nodes of each request's tree, ``k`` the configured budget or
+        the adaptive budget's choice for this batch; no drafter pass at all when it chooses 0."""
+        batch = common_attn_metadata.batch_size()
+        budget = self.ddtree.budget
+        policy = self.state.adaptive
+        if policy is not None:
+            self._observe_step(policy)
+            budget = policy.choose(batch)
+        if budget == 0:
+            self.state.paths = None
+            self.state.skip_step()
+            return torch.empty((batch, 0), dtype=torch.int64, device=target_token_ids.device)
         self._chain = needs_chain(sampling_metadata, self._has_structured_output(common_attn_metadata.batch_size()))
         paths = self.state.paths
         if paths is not None:
@@ -103,6 +133,67 @@ class DDTreeProposer(DFlashProposer):
         )
         self.num_speculative_tokens = self.ddtree.budget
         assert self._trees is not None
-        batch = common_attn_metadata.batch_size()
         self.state.record_proposal(list(self.runner.input_batch.req_ids[:batch]), self._trees)
-        return self._trees.node_tokens
+        return self._trees.node_tokens[:, :budget]
+
+    def _observe_step(self, policy: AdaptiveBudget) -> None:
+        """The time since the last proposal is one whole engine step (vLLM-CPU runs synchronously): a uniform
+        decode step's time corrects the cost model of its budget; idle gaps (far beyond the model) are dropped."""
+        now = time.perf_counter()
+        last, self.state.last_propose_time = self.state.last_propose_time, now
+        shape = self.state.step_shape
+        if last is None or shape is None:
+            return
+        predicted = policy.costs.predicted(*shape)
+        if predicted is not None and now - last < IDLE_GAP_FACTOR * predicted * policy.costs.scale(shape[1]) + 1.0:
+            policy.costs.observe(*shape, now - last)
+
+    def init_adaptive_budget(self, runner: Any) -> None:
+        """After warm-up: time a dummy decode step of every candidate budget (the drafter pass sized as it runs:
+        ``1 + max_depth`` queries a request; none for budget 0) and hold the policy."""
+        self.state.adaptive = None
+        if not self.ddtree.adaptive_budget:
+            return
+        budgets = self.ddtree.budgets
+        depth = self.ddtree.max_depth
+        max_tokens = min(runner.max_num_tokens, CPU_TIMING_MAX_TOKENS)
+        costs = StepCosts(
+            measure_step_costs(
+                lambda r, k: self._dummy_decode_step(runner, r, k),
+                budgets,
+                runner.scheduler_config.max_num_seqs,
+                lambda r, k: r * (max(k, depth) + 1) <= max_tokens,
+                lambda: None,
+                repeats=2,
+            )
+        )
+        forced = envs.VLLM_DDTREE_ADAPTIVE_FORCE
+        self.state.adaptive = AdaptiveBudget(
+            budgets,
+            costs,
+            AcceptanceStats(budgets, self.device),
+            depth,
+            forced_budgets(forced, budgets) if forced else None,
+        )
+        logger.info(
+            "DDTree adaptive budget: %s",
+            describe_policy(self.state.adaptive, runner.scheduler_config.max_num_seqs),
+        )
+
+    @torch.inference_mode()
+    def _dummy_decode_step(self, runner: Any, num_reqs: int, budget: int) -> None:
+        saved = runner.uniform_decode_query_len
+        dummy_run = self.dummy_run
+        depth = self.ddtree.max_depth
+
+        def drafter_pass(num_tokens: int, *args: Any, **kwargs: Any) -> None:
+            if budget > 0:
+                dummy_run(num_reqs * (depth + 1), *args, **kwargs)
+
+        runner.uniform_decode_query_len = budget + 1
+        self.dummy_run = drafter_pass
+        try:
+            runner._dummy_run(num_reqs * (budget + 1), uniform_decode=True)
+        finally:
+            runner.uniform_decode_query_len = saved
+            del self.dummy_run

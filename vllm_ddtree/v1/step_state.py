@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from vllm_ddtree.accept import AcceptedPaths
+from vllm_ddtree.adaptive import AdaptiveBudget
 from vllm_ddtree.config import DDTreeConfig
 from vllm_ddtree.tree import DraftTrees
 from vllm_ddtree.tree_mask import TreeMaskBuffers, causal_bits, install_tree_masks
@@ -71,10 +72,23 @@ class V1StepState:
         self._proposed: DraftTrees | None = None
         self.batch: BatchTrees | None = None
         self.paths: AcceptedPaths | None = None
+        self.adaptive: AdaptiveBudget | None = None
+        self.step_shape: tuple[int, int] | None = None
+        """(requests, drafts each) of this step when it is a uniform decode step (the adaptive cost model's
+        observations), else None."""
+        self.last_propose_time: float | None = None
         # What actually ran (read by tests and debugging through collective_rpc): steps verified as trees, tree
         # rows that branch, accepted paths that left the first-child chain (their KV was compacted), and steps that
         # verified trees beside rows without drafts (prefill chunks, new requests).
         self.counters = {"tree_steps": 0, "chain_steps": 0, "branching_rows": 0, "off_chain_paths": 0, "mixed_steps": 0}
+
+    def note_step_shape(self, num_scheduled_tokens: list[int], drafts: list[list[int]]) -> None:
+        """Remember whether this step is a uniform decode step: every request verifies the same ``k`` drafts."""
+        counts = {len(tokens) for tokens in drafts}
+        uniform = len(counts) == 1 and all(
+            n == len(tokens) + 1 for n, tokens in zip(num_scheduled_tokens, drafts, strict=True)
+        )
+        self.step_shape = (len(drafts), counts.pop()) if uniform and drafts else None
 
     def record_proposal(self, req_ids: list[str], trees: DraftTrees) -> None:
         """Remember the trees just proposed, row i belonging to ``req_ids[i]``."""

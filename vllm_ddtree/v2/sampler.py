@@ -100,6 +100,9 @@ class DDTreeRejectionSampler(RejectionSamplerV2):
             input_batch.idx_mapping,
             self.sampler.req_states.prefill_len.gpu,
         )
+        if self._step.adaptive is not None:
+            num_verified = input_batch.cu_num_logits[1:] - input_batch.cu_num_logits[:-1] - 1
+            self._step.adaptive.stats.record(paths.accepted_nodes, num_verified[: paths.accepted_nodes.shape[0]])
         self._step.pending_paths = paths
         return SamplerOutputV2(
             sampled_token_ids=sampled,

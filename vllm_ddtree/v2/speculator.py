@@ -9,12 +9,23 @@ linear positions, and the path nodes' target hidden states permuted into path or
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import torch
 from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
+from vllm_ddtree import envs
+from vllm_ddtree.adaptive import (
+    AcceptanceStats,
+    AdaptiveBudget,
+    StepCosts,
+    describe_policy,
+    forced_budgets,
+    measure_step_costs,
+    register_local,
+)
 from vllm_ddtree.config import DDTreeConfig, get_ddtree_config
 from vllm_ddtree.draft_topk import topk_logprobs
 from vllm_ddtree.patches.v2 import install_context_kv_graphs
@@ -23,6 +34,8 @@ from vllm_ddtree.tree_mask import install_tree_masks
 from vllm_ddtree.v2.graphs import CombineGraphs, ContextKVGraphs, decode_context_sizes
 from vllm_ddtree.v2.step_state import V2StepState
 from vllm_ddtree.v2.verify_layout import restore_path_context
+
+logger = logging.getLogger("vllm.ddtree")
 
 
 def build_trees_with_chains(
@@ -76,7 +89,10 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.idx_mapping.fill_(-1)
         super().capture()
         graph_tokens = self.vllm_config.compilation_config.max_cudagraph_capture_size or self.max_num_tokens
-        sizes = decode_context_sizes(self.ddtree.width, self.max_num_reqs, graph_tokens)  # capture drops n > buffers
+        # Every width a decode step can verify (the adaptive budget's candidates); capture drops n > buffers.
+        sizes = sorted(
+            {n for k in self.ddtree.budgets for n in decode_context_sizes(k + 1, self.max_num_reqs, graph_tokens)}
+        )
         self.context_kv_graphs = install_context_kv_graphs(
             self.model,
             self.hidden_states,
@@ -91,6 +107,54 @@ class DDTreeSpeculator(DFlashSpeculator):
         if aux and combine is not None:
             self.combine_graphs = CombineGraphs(combine, list(aux), self.hidden_states)
             self.combine_graphs.capture(sizes)
+
+    def init_adaptive_budget(self, runner: Any) -> None:
+        """After graph capture: time a decode step of every candidate budget and install the policy that the
+        scheduler of this process asks each step (Model Runner V2 draws the next step's drafts from the scheduler's
+        placeholders only when scheduling is async, so a synchronous engine keeps the whole budget)."""
+        register_local(None)
+        self.step.adaptive = None
+        if not self.ddtree.adaptive_budget:
+            return
+        if not self.vllm_config.scheduler_config.async_scheduling:
+            logger.warning("DDTree: the adaptive budget needs async scheduling; every step verifies all nodes.")
+            return
+        budgets = self.ddtree.budgets
+        max_tokens = self.vllm_config.scheduler_config.max_num_batched_tokens
+        costs = StepCosts(
+            measure_step_costs(
+                lambda r, k: self._dummy_decode_step(runner, r, k),
+                budgets,
+                runner.max_num_reqs,
+                lambda r, k: r * (k + 1) <= max_tokens,
+                torch.accelerator.synchronize,
+            )
+        )
+        forced = envs.VLLM_DDTREE_ADAPTIVE_FORCE
+        policy = AdaptiveBudget(
+            budgets,
+            costs,
+            AcceptanceStats(budgets, self.device),
+            self.ddtree.max_depth,
+            forced_budgets(forced, budgets) if forced else None,
+        )
+        self.step.adaptive = policy
+        register_local(policy)
+        logger.info("DDTree adaptive budget: %s", describe_policy(policy, runner.max_num_reqs))
+
+    @torch.inference_mode()
+    def _dummy_decode_step(self, runner: Any, num_reqs: int, budget: int) -> None:
+        """The runner's dummy step of ``num_reqs`` uniform requests of ``budget + 1`` tokens (vLLM's dispatch
+        replays the FULL graph captured for that shape, or runs it as serving would), then the drafter pass, which
+        a step before a step without drafts skips."""
+        saved = runner.decode_query_len
+        runner.decode_query_len = budget + 1
+        self.step.skip_drafter = budget == 0
+        try:
+            runner._dummy_run(num_reqs * (budget + 1), uniform_decode=True)
+        finally:
+            runner.decode_query_len = saved
+            self.step.skip_drafter = False
 
     def _generate_draft(
         self,
@@ -138,8 +202,11 @@ class DDTreeSpeculator(DFlashSpeculator):
         is_profile: bool = False,
     ) -> torch.Tensor:
         """Drafter context = the accepted path (linear positions, path-ordered hidden rows), combined from graphs
-        where captured, then DFlash + trees."""
+        where captured, then DFlash + trees; nothing when the next step verifies no drafts (its drafts are never
+        read)."""
         paths = self.step.take_paths()
+        if self.step.skip_drafter:
+            return self.draft_tokens[: input_batch.num_reqs]
         if paths is not None and not dummy_run:
             restore_path_context(
                 input_batch.positions,

@@ -4,6 +4,8 @@ The speculator owns it (``DDTreeSpeculator.step``); ``patches.v2`` hands it to t
 ``prepare_attn`` and ``add_request`` seams once the KV cache exists. Per step: the drafter's CUDA graph writes the
 trees (``trees``), the ``prepare_attn`` seam lays them out for the verify (``masks``), the tree sampler walks them
 and leaves the accepted paths (``pending_paths``), and the next drafter pass reads those paths back.
+With an adaptive budget it also holds the policy (``adaptive``), whose acceptance statistics the tree sampler
+feeds.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 import torch
 
 from vllm_ddtree.accept import AcceptedPaths
+from vllm_ddtree.adaptive import AdaptiveBudget
 from vllm_ddtree.tree import DraftTrees
 from vllm_ddtree.tree_mask import TreeMaskBuffers, causal_bits
 
@@ -79,6 +82,13 @@ class V2StepState:
         self.pending_paths: AcceptedPaths | None = None
         self.target_cudagraph_manager: Any = None
         self.attn_groups: tuple[Any, Any] | None = None
+        self.adaptive: AdaptiveBudget | None = None
+        self.skip_drafter = False
+        """The next step verifies no drafts (the adaptive budget chose 0): this step's drafter pass is skipped."""
+
+    def note_schedule(self, scheduler_output: Any) -> None:
+        """A real step is about to run: its scheduler output says how many drafts the next step verifies."""
+        self.skip_drafter = self.adaptive is not None and scheduler_output.num_spec_tokens_to_schedule == 0
 
     def add_request(self, req_idx: int, sampling_params: Any) -> None:
         """A new request at state ``req_idx``: its trees are top-1 chains when its features read drafts as one."""

@@ -1,0 +1,148 @@
+"""The adaptive budget's pieces: candidates, the cost model, prefix acceptance against the real tree walk, the
+choice, and the stand-in for vLLM's dynamic speculative-decoding lookup."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_ddtree import adaptive
+from vllm_ddtree.accept import walk_trees_torch
+from vllm_ddtree.adaptive import (
+    EXPLORE_EVERY,
+    AcceptanceStats,
+    AdaptiveBudget,
+    SchedulerBudgets,
+    StepCosts,
+    candidate_budgets,
+    dynamic_sd_table,
+    forced_budgets,
+    measure_step_costs,
+    request_grid,
+)
+from vllm_ddtree.tree import build_trees_torch
+
+
+@pytest.mark.parametrize(
+    ("budget", "want"),
+    [(1, (0, 1)), (10, (0, 1, 3, 7, 10)), (15, (0, 1, 3, 7, 15)), (63, (0, 1, 3, 7, 15, 31, 63))],
+)
+def test_candidate_budgets(budget: int, want: tuple[int, ...]) -> None:
+    assert candidate_budgets(budget) == want
+
+
+def test_forced_budgets_parse_and_refuse() -> None:
+    assert forced_budgets("7,0,3", (0, 1, 3, 7)) == (7, 0, 3)
+    for bad in ("", "8", "7,,0", "a"):
+        with pytest.raises(ValueError, match="VLLM_DDTREE_ADAPTIVE_FORCE must be comma-separated budgets from"):
+            forced_budgets(bad, (0, 1, 3, 7))
+
+
+def test_step_costs_interpolate_extrapolate_and_learn() -> None:
+    costs = StepCosts({0: {1: 1.0, 4: 2.0}, 7: {1: 3.0, 2: 5.0}})
+    assert costs.budgets == [0, 7]
+    assert costs.predicted(1, 0) == 1.0 and costs.predicted(2, 0) == pytest.approx(4 / 3)
+    assert costs.predicted(8, 0) == pytest.approx(2.0 + 4 * (1 / 3))  # the last two points' slope
+    assert costs.predicted(3, 7) == pytest.approx(7.0) and costs.predicted(1, 3) is None
+    assert costs.covers(4, 7) and not costs.covers(5, 7) and not costs.covers(1, 3)
+    for _ in range(40):
+        costs.observe(2, 7, 10.0)  # steps take twice the start-up curve
+    assert costs.scale(7) == pytest.approx(2.0) and costs.cost(1, 7) == pytest.approx(6.0)
+    assert costs.scale(0) == 1.0
+
+
+def test_measure_step_costs_visits_the_grid_that_fits() -> None:
+    runs: list[tuple[int, int]] = []
+    got = measure_step_costs(lambda r, k: runs.append((r, k)), (0, 3), 8, lambda r, k: r * (k + 1) <= 16, lambda: None)
+    assert request_grid(8) == [1, 2, 4, 8] and request_grid(6) == [1, 2, 4, 6]
+    assert sorted(got[0]) == [1, 2, 4, 8] and sorted(got[3]) == [1, 2, 4]
+    assert runs.count((4, 3)) == 4  # one untimed run, then three timed
+
+
+def _trees(batch: int, depth: int, topk: int, budget: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    logprobs = torch.log_softmax(torch.randn(batch, depth, topk, generator=gen) * 2, dim=-1).sort(-1, True).values
+    ids = torch.stack([torch.randperm(50, generator=gen)[:topk] for _ in range(batch * depth)]).view(batch, depth, topk)
+    return build_trees_torch(logprobs, ids, budget)
+
+
+def test_prefix_acceptance_equals_the_walk_of_each_prefix_tree() -> None:
+    """A k-node prefix of a best-first tree accepts exactly the full tree's path nodes numbered <= k: what
+    ``AcceptanceStats`` counts equals the walk of the truncated tree, for every candidate k at once."""
+    budget, depth = 15, 6
+    budgets = candidate_budgets(budget)
+    for seed in range(20):
+        trees = _trees(batch=16, depth=depth, topk=4, budget=budget, seed=seed)
+        gen = torch.Generator().manual_seed(100 + seed)
+        # The target picks a node's first child often enough that long paths occur.
+        target = trees.node_tokens.gather(
+            1, torch.randint(0, budget, (16, budget + 1), generator=gen).clamp(max=budget - 1)
+        )
+        follow = torch.rand(16, budget + 1, generator=gen) < 0.7
+        first_child = torch.full((16, budget + 1), -1, dtype=torch.int64)
+        for b in range(16):
+            for node in range(budget, 0, -1):
+                first_child[b, int(trees.parents[b, node])] = trees.node_tokens[b, node - 1]
+        target = torch.where(follow & (first_child >= 0), first_child, target)
+        full = walk_trees_torch(trees.node_tokens, trees.parents, trees.anc_bits, trees.num_nodes, target, depth)
+        stats = AcceptanceStats(budgets, torch.device("cpu"))
+        num_verified = torch.full((16,), budget, dtype=torch.int64)
+        stats.record(full.accepted_nodes, num_verified)
+        for k in budgets[1:]:
+            prefix = walk_trees_torch(
+                trees.node_tokens, trees.parents, trees.anc_bits, trees.num_nodes.clamp(max=k), target, depth
+            )
+            assert stats.expected()[k] == pytest.approx(prefix.num_accepted.double().mean().item()), (seed, k)
+
+
+def test_acceptance_counts_only_budgets_a_row_verified() -> None:
+    stats = AcceptanceStats((0, 1, 3, 7), torch.device("cpu"))
+    accepted = torch.tensor([[0, 1, 3, 6], [0, 1, 2, -1], [0, -1, -1, -1]])
+    stats.record(accepted, torch.tensor([7, 3, 0]))  # the last row had no drafts (a prefill)
+    assert stats.expected() == {1: 1.0, 3: 2.0, 7: 3.0}
+
+
+def _policy(forced=None) -> AdaptiveBudget:
+    # Few requests: the step costs the same whatever its width (latency-bound); many: cost grows with tokens.
+    costs = StepCosts({k: {1: 1.0, 64: 1.0 + 4.0 * (k + 1)} for k in (0, 1, 3, 7)})
+    stats = AcceptanceStats((0, 1, 3, 7), torch.device("cpu"))
+    stats.record(torch.tensor([[0, 1, 2, 3], [0, -1, -1, -1]]), torch.tensor([7, 7]))  # a whole chain, nothing
+    return AdaptiveBudget((0, 1, 3, 7), costs, stats, max_depth=3, forced=forced)
+
+
+def test_policy_picks_the_whole_tree_alone_and_no_drafts_under_load() -> None:
+    policy = _policy()
+    assert policy.choose(1) == 7
+    assert policy.choose(64) == 0
+    ranked = dict((k, v) for v, k in policy.ranked(64))
+    assert ranked[0] > ranked[1] > ranked[7]
+
+
+def test_policy_explores_the_next_larger_budget_now_and_then() -> None:
+    policy = _policy()
+    choices = [policy.choose(64) for _ in range(2 * EXPLORE_EVERY)]
+    assert choices.count(1) == 2 and set(choices) == {0, 1}
+
+
+def test_forced_policy_cycles() -> None:
+    policy = _policy(forced=(7, 0, 3))
+    assert [policy.choose(1) for _ in range(5)] == [7, 0, 3, 7, 0]
+
+
+def test_scheduler_budgets_ask_the_local_policy() -> None:
+    lookup = SchedulerBudgets(7, ask_policy=True)
+    adaptive.register_local(None)
+    assert lookup[64] == 7
+    adaptive.register_local(_policy())
+    try:
+        assert lookup[64] == 0 and SchedulerBudgets(7, ask_policy=False)[64] == 7
+    finally:
+        adaptive.register_local(None)
+
+
+def test_dynamic_sd_table_is_a_valid_vllm_schedule() -> None:
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+    table = dynamic_sd_table((0, 1, 3, 7, 15))
+    lookup = build_dynamic_sd_schedule_lookup(table, vllm_max_batch_size=256, vllm_num_speculative_tokens=15)
+    assert sorted({k for _, _, k in table}) == [0, 1, 3, 7, 15] and len(lookup) == 257

@@ -1,0 +1,303 @@
+"""Load-aware node budget: each decode step verifies the tree prefix (or no drafts) worth most tokens per second.
+
+A best-first tree is built in topological order, so its first ``k`` nodes are themselves a tree: verifying a
+prefix changes the verify width, never the output (the walk still follows the target's own choices). The policy
+picks ``k`` from a few candidate budgets (``candidate_budgets``: 0 = no speculation, then 1, 3, 7, ... up to the
+configured budget) for a batch of ``r`` requests by maximising ``(1 + E[accepted | k]) / seconds(r, k)``:
+
+* ``StepCosts``: seconds of a decode step of ``r`` requests at budget ``k``, timed at start-up (dummy decode
+  steps of the real runner, graphs where vLLM captured them) and corrected online by what steps of each ``k``
+  actually take (``observe``) where the runner can time a step without waiting on the device.
+* ``AcceptanceStats``: accepted draft tokens per request for every candidate ``k`` at once, from each step's
+  accepted paths: a ``k``-node prefix accepts exactly the path's nodes numbered ``<= k``. Counted on the device,
+  read back through a copy that is only looked at once it has landed (no host synchronisation in the decode loop).
+
+Budgets never seen get the optimistic ``min(k, max_depth)`` until a step shows them, and every ``EXPLORE_EVERY``
+choices the next larger budget runs once, so the estimates follow the traffic. ``VLLM_DDTREE_ADAPTIVE_FORCE``
+replaces the choice by a fixed cycle of budgets (tests and benches).
+"""
+
+from __future__ import annotations
+
+import bisect
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+EXPLORE_EVERY = 64
+"""Every this many choices the next larger candidate budget runs once, to keep its acceptance estimate current."""
+ACCEPTANCE_DECAY = 0.99
+"""Per-step decay of the acceptance counts (an effective window of about a hundred steps)."""
+MIN_OBSERVATIONS = 1.0
+"""Decayed row count below which a budget's acceptance is treated as unseen."""
+
+
+def candidate_budgets(budget: int) -> tuple[int, ...]:
+    """0 (no speculation), 1, 3, 7, 15, ... below ``budget``, and ``budget`` itself."""
+    budgets = {0, budget}
+    k = 1
+    while k < budget:
+        budgets.add(k)
+        k = 2 * k + 1
+    return tuple(sorted(budgets))
+
+
+def forced_budgets(spec: str, budgets: Sequence[int]) -> tuple[int, ...]:
+    """Parse ``VLLM_DDTREE_ADAPTIVE_FORCE`` (comma-separated budgets, each one of the candidates)."""
+    try:
+        forced = tuple(int(part) for part in spec.split(","))
+    except ValueError:
+        forced = ()
+    if not forced or any(k not in budgets for k in forced):
+        raise ValueError(
+            f"VLLM_DDTREE_ADAPTIVE_FORCE must be comma-separated budgets from {list(budgets)} (the candidates of "
+            f"this 'num_speculative_tokens'), got {spec!r}"
+        )
+    return forced
+
+
+def request_grid(max_num_reqs: int) -> list[int]:
+    """Request counts the start-up timings visit: 1, 2, 4, ... below ``max_num_reqs``, and ``max_num_reqs``."""
+    grid, r = [], 1
+    while r < max_num_reqs:
+        grid.append(r)
+        r *= 2
+    return [*grid, max_num_reqs]
+
+
+def measure_step_costs(
+    run_step: Callable[[int, int], None],
+    budgets: Sequence[int],
+    max_num_reqs: int,
+    fits: Callable[[int, int], bool],
+    sync: Callable[[], None],
+    repeats: int = 3,
+) -> dict[int, dict[int, float]]:
+    """``{k: {r: seconds}}``: the median of ``repeats`` timed ``run_step(r, k)`` (after one untimed) for each budget
+    and each grid request count that ``fits`` (start-up only: every run waits for the device)."""
+    costs: dict[int, dict[int, float]] = {}
+    for k in budgets:
+        costs[k] = {}
+        for r in request_grid(max_num_reqs):
+            if not fits(r, k):
+                break
+            run_step(r, k)
+            sync()
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                run_step(r, k)
+                sync()
+                times.append(time.perf_counter() - start)
+            costs[k][r] = statistics.median(times)
+    return costs
+
+
+class StepCosts:
+    """Seconds of one decode step of ``r`` requests verifying ``k`` drafts each.
+
+    ``measured[k]`` maps request counts to start-up timings; between them the cost is interpolated linearly, below
+    the smallest it is the smallest, above the largest it follows the last two points' slope, and budgets without
+    timings are not offered (``covers``: a step of that many tokens did not fit the runner). ``observe`` scales a
+    budget's curve by the ratio of what its steps take to what was predicted (a running mean), which picks up the
+    per-step work a dummy step does not do (the tree walk, KV compaction, the host's share).
+    """
+
+    def __init__(self, measured: dict[int, dict[int, float]]) -> None:
+        self._reqs = {k: sorted(v) for k, v in measured.items() if v}
+        self._secs = {k: [measured[k][r] for r in self._reqs[k]] for k in self._reqs}
+        self._scale = dict.fromkeys(self._reqs, 1.0)
+        self._seen = dict.fromkeys(self._reqs, 0)
+
+    @property
+    def budgets(self) -> list[int]:
+        return sorted(self._reqs)
+
+    def covers(self, num_reqs: int, k: int) -> bool:
+        return k in self._reqs and num_reqs <= self._max_reqs
+
+    @property
+    def _max_reqs(self) -> int:
+        return max(reqs[-1] for reqs in self._reqs.values())
+
+    def predicted(self, num_reqs: int, k: int) -> float | None:
+        """The start-up curve at ``num_reqs`` (None for budgets without timings)."""
+        if k not in self._reqs:
+            return None
+        reqs, secs = self._reqs[k], self._secs[k]
+        i = bisect.bisect_left(reqs, num_reqs)
+        if i < len(reqs) and (reqs[i] == num_reqs or i == 0):
+            return secs[i]
+        if i == len(reqs):
+            if len(reqs) == 1:
+                return secs[0] * num_reqs / reqs[0]
+            i -= 1
+        r0, r1 = reqs[i - 1], reqs[i]
+        return max(secs[i - 1] + (secs[i] - secs[i - 1]) * (num_reqs - r0) / (r1 - r0), 0.0)
+
+    def cost(self, num_reqs: int, k: int) -> float | None:
+        predicted = self.predicted(num_reqs, k)
+        return None if predicted is None else predicted * self._scale[k]
+
+    def observe(self, num_reqs: int, k: int, seconds: float) -> None:
+        """Fold in one timed decode step (running mean of the ratio over the last ~20 steps of this budget)."""
+        predicted = self.predicted(num_reqs, k)
+        if predicted is None or predicted <= 0.0 or seconds <= 0.0:
+            return
+        self._seen[k] += 1
+        weight = max(1.0 / self._seen[k], 0.05)
+        self._scale[k] += weight * (seconds / predicted - self._scale[k])
+
+    def scale(self, k: int) -> float:
+        return self._scale.get(k, 1.0)
+
+
+class AcceptanceStats:
+    """Decayed mean of accepted draft tokens per request, for each candidate budget ``k > 0``.
+
+    ``record`` runs on the device beside the tree walk; ``expected`` runs on the host (in the scheduler's thread
+    on Model Runner V2) and reads the last copy that has completed, so neither waits on the other.
+    """
+
+    def __init__(self, budgets: Sequence[int], device: torch.device) -> None:
+        self.budgets = [k for k in budgets if k > 0]
+        self._k = torch.tensor(self.budgets, dtype=torch.int64, device=device)
+        self._sums = torch.zeros(len(self.budgets), dtype=torch.float64, device=device)
+        self._counts = torch.zeros_like(self._sums)
+        on_gpu = device.type == "cuda"
+        self._host = torch.zeros(2, len(self.budgets), dtype=torch.float64, pin_memory=on_gpu)
+        self._event = torch.cuda.Event() if on_gpu else None
+        self._pending = False
+        self._expected: dict[int, float] = {}
+        self._lock = threading.Lock()
+
+    def record(self, accepted_nodes: torch.Tensor, num_verified: torch.Tensor) -> None:
+        """One verify step: ``accepted_nodes[b, d]`` is the path's node at depth ``d`` (column 0 the root, -1 past
+        the path); ``num_verified[b]`` the drafts row ``b`` verified (0 for rows without drafts)."""
+        nodes = accepted_nodes[:, 1:]
+        on_path = nodes > 0
+        accepted = ((nodes[:, :, None] <= self._k) & on_path[:, :, None]).sum(dim=1)  # [B, budgets]
+        seen = num_verified.to(torch.int64)[:, None] >= self._k[None, :]
+        self._sums.mul_(ACCEPTANCE_DECAY).add_((accepted * seen).sum(dim=0))
+        self._counts.mul_(ACCEPTANCE_DECAY).add_(seen.sum(dim=0))
+        with self._lock:
+            if self._pending:
+                return
+            self._host[0].copy_(self._sums, non_blocking=True)
+            self._host[1].copy_(self._counts, non_blocking=True)
+            if self._event is not None:
+                self._event.record()
+            self._pending = True
+
+    def expected(self) -> dict[int, float]:
+        """Accepted draft tokens per request by budget, for the budgets seen recently enough."""
+        with self._lock:
+            if self._pending and (self._event is None or self._event.query()):
+                sums, counts = self._host.tolist()
+                self._expected = {
+                    k: s / c for k, s, c in zip(self.budgets, sums, counts, strict=True) if c >= MIN_OBSERVATIONS
+                }
+                self._pending = False
+            return dict(self._expected)
+
+
+class AdaptiveBudget:
+    """The per-step choice of a decode step's node budget from the batch's request count."""
+
+    def __init__(
+        self,
+        budgets: Sequence[int],
+        costs: StepCosts,
+        stats: AcceptanceStats,
+        max_depth: int,
+        forced: Sequence[int] | None = None,
+    ) -> None:
+        self.budgets = tuple(budgets)
+        self.costs = costs
+        self.stats = stats
+        self.max_depth = max_depth
+        self.forced = tuple(forced) if forced else None
+        self._choices = 0
+
+    def expected_accepted(self, k: int, seen: dict[int, float]) -> float:
+        """E[accepted drafts | budget k]: what steps showed, else the optimistic bound (every node of a chain)."""
+        if k == 0:
+            return 0.0
+        return seen.get(k, float(min(k, self.max_depth)))
+
+    def ranked(self, num_reqs: int) -> list[tuple[float, int]]:
+        """(tokens per second per request, budget) of every budget the cost model covers, best first."""
+        seen = self.stats.expected()
+        ranked = []
+        for k in self.budgets:
+            seconds = self.costs.cost(num_reqs, k)
+            if seconds is not None and seconds > 0.0:
+                ranked.append(((1.0 + self.expected_accepted(k, seen)) / seconds, k))
+        return sorted(ranked, reverse=True)
+
+    def choose(self, num_reqs: int) -> int:
+        """The budget for the next decode step of ``num_reqs`` requests."""
+        self._choices += 1
+        if self.forced is not None:
+            return self.forced[(self._choices - 1) % len(self.forced)]
+        ranked = self.ranked(max(num_reqs, 1))
+        if not ranked:
+            return self.budgets[-1]
+        best = ranked[0][1]
+        if self._choices % EXPLORE_EVERY == 0:
+            larger = [k for _, k in ranked if k > best]
+            if larger:
+                return min(larger)
+        return best
+
+
+def describe_policy(policy: AdaptiveBudget, max_num_reqs: int) -> str:
+    """One log line: the start-up choice at a few request counts, from the measured costs and optimistic
+    acceptance (running acceptance moves it while serving)."""
+    if policy.forced is not None:
+        return f"forced cycle of budgets {list(policy.forced)} (VLLM_DDTREE_ADAPTIVE_FORCE)"
+    points = sorted({r for r in (1, 4, 16, 64, 128, max_num_reqs) if r <= max_num_reqs})
+    picks = []
+    for r in points:
+        ranked = policy.ranked(r)
+        picks.append(f"{r} requests -> {ranked[0][1] if ranked else policy.budgets[-1]}")
+    return f"budgets {list(policy.budgets)}; at start-up " + ", ".join(picks)
+
+
+_LOCAL: list[AdaptiveBudget | None] = [None]
+"""The policy of the engine whose worker runs in this process (Model Runner V2's scheduler reads it)."""
+
+
+def register_local(policy: AdaptiveBudget | None) -> None:
+    _LOCAL[0] = policy
+
+
+def local_policy() -> AdaptiveBudget | None:
+    return _LOCAL[0]
+
+
+class SchedulerBudgets:
+    """Stands in for vLLM's dynamic speculative-decoding lookup (``Scheduler.dynamic_sd_lookup[batch_size]``).
+
+    With Model Runner V2 and a worker in the scheduler's process, ``[n]`` asks that worker's policy; otherwise
+    (vLLM-CPU's worker process chooses its own budget; multi-process GPU executors) it is the configured budget.
+    Being set at all also stops vLLM from padding new decodes with ``budget`` placeholder drafts.
+    """
+
+    def __init__(self, budget: int, ask_policy: bool) -> None:
+        self.budget = budget
+        self.ask_policy = ask_policy
+
+    def __getitem__(self, batch_size: int) -> int:
+        policy = local_policy() if self.ask_policy else None
+        return self.budget if policy is None else policy.choose(batch_size)
+
+
+def dynamic_sd_table(budgets: Sequence[int]) -> list[tuple[int, int, int]]:
+    """A ``num_speculative_tokens_per_batch_size`` that names every candidate budget: vLLM's Model Runner V2
+    captures FULL decode graphs for each budget in it (the batch-size ranges are placeholders: the scheduler's
+    lookup is replaced by ``SchedulerBudgets``)."""
+    return [(i + 1, i + 1, k) for i, k in enumerate(budgets)]
