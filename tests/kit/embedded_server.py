@@ -27,4 +27,6 @@ ENGINE = [
     "--gpu-memory-utilization",
     str(MEMORY_FRACTION),
 ]
-SPEC = {"method": "ddtree", "model": str(DRAFTER), "num_speculative_tokens": BUDGET}
+# Every step verifies the whole tree: on vLLM-CPU the adaptive budget would mostly verify none, and these tests are
+# about what clients can do to tree steps (tests/engine/test_adaptive_cpu.py covers the adaptive budget).
+SPEC = {"method": "ddtree", "model": str(DRAFTER), "num_speculative_tokens": BUDGET, "adaptive_budget": False}
