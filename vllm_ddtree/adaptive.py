@@ -3,7 +3,8 @@
 A best-first tree is built in topological order, so its first ``k`` nodes are themselves a tree: verifying a
 prefix changes the verify width, never the output (the walk still follows the target's own choices). The policy
 picks ``k`` from a few candidate budgets (``candidate_budgets``: 0 = no speculation, then 1, 3, 7, ... up to the
-configured budget) for a batch of ``r`` requests by maximising ``(1 + E[accepted | k]) / seconds(r, k)``:
+configured budget) for a batch of ``r`` requests by maximising ``(1 + E[accepted | k]) / seconds(r, k)``
+(speculating only where that beats no speculation by ``SPECULATION_MARGIN``):
 
 * ``StepCosts``: seconds of a decode step of ``r`` requests at budget ``k``, timed at start-up (dummy decode
   steps of the real runner, graphs where vLLM captured them) and corrected online by what steps of each ``k``
@@ -12,23 +13,36 @@ configured budget) for a batch of ``r`` requests by maximising ``(1 + E[accepted
   accepted paths: a ``k``-node prefix accepts exactly the path's nodes numbered ``<= k``. Counted on the device,
   read back through a copy that is only looked at once it has landed (no host synchronisation in the decode loop).
 
-Budgets never seen get the optimistic ``min(k, max_depth)`` until a step shows them, and every ``EXPLORE_EVERY``
-choices the next larger budget runs once, so the estimates follow the traffic. ``VLLM_DDTREE_ADAPTIVE_FORCE``
+Budgets never seen get the optimistic ``min(k, max_depth)`` until a step shows them; in a request-count bucket
+first seen each budget runs a burst of ``EXPLORE_BURST`` steps, and then every ``EXPLORE_EVERY`` choices a
+neighbouring budget runs a burst, so the estimates follow the traffic. ``VLLM_DDTREE_ADAPTIVE_FORCE``
 replaces the choice by a fixed cycle of budgets (tests and benches).
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 import statistics
 import threading
 import time
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 
 import torch
 
-EXPLORE_EVERY = 64
-"""Every this many choices the next larger candidate budget runs once, to keep its acceptance estimate current."""
+EXPLORE_EVERY = 32
+"""Every this many choices a neighbour of the best budget runs once (the next larger, then the next smaller, in
+turn), to keep its acceptance and cost estimates current."""
+EXPLORE_BURST = 4
+"""Consecutive steps an explored budget runs (its first step follows another budget and is not observed)."""
+RATIO_WINDOW = 16
+"""Observed-over-predicted step times kept per budget and request-count bucket (their median scales the curve)."""
+SPECULATION_MARGIN = 1.1
+"""Speculate only where the best budget is expected to beat no speculation by this factor: its gain is an estimate
+and its cost varies more (deeper steps, KV compaction), so near-ties go to the plain decode step."""
+MIN_BUCKET_RATIOS = 3
+"""Ratios a bucket needs before its own median replaces the budget's."""
 ACCEPTANCE_DECAY = 0.99
 """Per-step decay of the acceptance counts (an effective window of about a hundred steps)."""
 MIN_OBSERVATIONS = 1.0
@@ -59,6 +73,11 @@ def forced_budgets(spec: str, budgets: Sequence[int]) -> tuple[int, ...]:
     return forced
 
 
+def _bucket(num_reqs: int) -> int:
+    """The power-of-two bucket of a request count (1, 2, 3-5 -> 4, 6-11 -> 8, ...)."""
+    return 1 << max(0, round(math.log2(max(num_reqs, 1))))
+
+
 def request_grid(max_num_reqs: int) -> list[int]:
     """Request counts the start-up timings visit: 1, 2, 4, ... below ``max_num_reqs``, and ``max_num_reqs``."""
     grid, r = [], 1
@@ -76,7 +95,7 @@ def measure_step_costs(
     sync: Callable[[], None],
     repeats: int = 3,
 ) -> dict[int, dict[int, float]]:
-    """``{k: {r: seconds}}``: the median of ``repeats`` timed ``run_step(r, k)`` (after one untimed) for each budget
+    """``{k: {r: seconds}}``: the fastest of ``repeats`` timed ``run_step(r, k)`` (after one untimed) for each budget
     and each grid request count that ``fits`` (start-up only: every run waits for the device)."""
     costs: dict[int, dict[int, float]] = {}
     for k in budgets:
@@ -92,7 +111,7 @@ def measure_step_costs(
                 run_step(r, k)
                 sync()
                 times.append(time.perf_counter() - start)
-            costs[k][r] = statistics.median(times)
+            costs[k][r] = min(times)  # interference only ever adds time
     return costs
 
 
@@ -102,15 +121,17 @@ class StepCosts:
     ``measured[k]`` maps request counts to start-up timings; between them the cost is interpolated linearly, below
     the smallest it is the smallest, above the largest it follows the last two points' slope, and budgets without
     timings are not offered (``covers``: a step of that many tokens did not fit the runner). ``observe`` scales a
-    budget's curve by the ratio of what its steps take to what was predicted (a running mean), which picks up the
-    per-step work a dummy step does not do (the tree walk, KV compaction, the host's share).
+    budget's curve by what its steps take over what was predicted, which picks up the per-step work a dummy step
+    does not do (the tree walk, KV compaction, the host's share): the median of the last ``RATIO_WINDOW`` ratios in
+    the observed request count's power-of-two bucket, else of the budget's, else 1. Medians, because a step's time
+    only ever grows by interference (another process on the core, a collection).
     """
 
     def __init__(self, measured: dict[int, dict[int, float]]) -> None:
         self._reqs = {k: sorted(v) for k, v in measured.items() if v}
         self._secs = {k: [measured[k][r] for r in self._reqs[k]] for k in self._reqs}
-        self._scale = dict.fromkeys(self._reqs, 1.0)
-        self._seen = dict.fromkeys(self._reqs, 0)
+        self._ratios: dict[tuple[int, int], deque[float]] = {}
+        self._budget_ratios: dict[int, deque[float]] = {k: deque(maxlen=RATIO_WINDOW) for k in self._reqs}
 
     @property
     def budgets(self) -> list[int]:
@@ -140,19 +161,26 @@ class StepCosts:
 
     def cost(self, num_reqs: int, k: int) -> float | None:
         predicted = self.predicted(num_reqs, k)
-        return None if predicted is None else predicted * self._scale[k]
+        return None if predicted is None else predicted * self.scale(k, num_reqs)
 
     def observe(self, num_reqs: int, k: int, seconds: float) -> None:
-        """Fold in one timed decode step (running mean of the ratio over the last ~20 steps of this budget)."""
+        """Fold in one timed uniform decode step of ``num_reqs`` requests at budget ``k``."""
         predicted = self.predicted(num_reqs, k)
         if predicted is None or predicted <= 0.0 or seconds <= 0.0:
             return
-        self._seen[k] += 1
-        weight = max(1.0 / self._seen[k], 0.05)
-        self._scale[k] += weight * (seconds / predicted - self._scale[k])
+        ratio = seconds / predicted
+        self._ratios.setdefault((k, _bucket(num_reqs)), deque(maxlen=RATIO_WINDOW)).append(ratio)
+        self._budget_ratios[k].append(ratio)
 
-    def scale(self, k: int) -> float:
-        return self._scale.get(k, 1.0)
+    def scale(self, k: int, num_reqs: int = 1) -> float:
+        """Observed over predicted seconds for budget ``k`` near ``num_reqs`` requests (1 before any step)."""
+        ratios = self._ratios.get((k, _bucket(num_reqs)), ())
+        if len(ratios) < MIN_BUCKET_RATIOS:
+            ratios = self._budget_ratios.get(k, ())
+        return statistics.median(ratios) if ratios else 1.0
+
+    def observations(self, k: int) -> int:
+        return len(self._budget_ratios.get(k, ()))
 
 
 class AcceptanceStats:
@@ -221,6 +249,10 @@ class AdaptiveBudget:
         self.max_depth = max_depth
         self.forced = tuple(forced) if forced else None
         self._choices = 0
+        self._tries: dict[tuple[int, int], int] = {}
+        self._burst = (0, 0)
+        self.chosen: Counter[int] = Counter()
+        """How often each budget was chosen (tests, benches)."""
 
     def expected_accepted(self, k: int, seen: dict[int, float]) -> float:
         """E[accepted drafts | budget k]: what steps showed, else the optimistic bound (every node of a chain)."""
@@ -240,18 +272,41 @@ class AdaptiveBudget:
 
     def choose(self, num_reqs: int) -> int:
         """The budget for the next decode step of ``num_reqs`` requests."""
+        k = self._choose(num_reqs)
+        self.chosen[k] += 1
+        return k
+
+    def _choose(self, num_reqs: int) -> int:
         self._choices += 1
         if self.forced is not None:
             return self.forced[(self._choices - 1) % len(self.forced)]
         ranked = self.ranked(max(num_reqs, 1))
         if not ranked:
             return self.budgets[-1]
+        if self._burst[1] > 0:
+            self._burst = (self._burst[0], self._burst[1] - 1)
+            return self._burst[0]
+        bucket = _bucket(num_reqs)
+        for _, k in ranked:  # a request-count bucket first seen: each budget runs a burst there
+            if (k, bucket) not in self._tries:
+                self._tries[k, bucket] = 1
+                return self._start_burst(k)
+        value = {k: v for v, k in ranked}
         best = ranked[0][1]
+        if best != 0 and 0 in value and value[best] < SPECULATION_MARGIN * value[0]:
+            best = 0
         if self._choices % EXPLORE_EVERY == 0:
-            larger = [k for _, k in ranked if k > best]
-            if larger:
-                return min(larger)
+            upward = (self._choices // EXPLORE_EVERY) % 2 == 1
+            neighbours = [k for _, k in ranked if (k > best if upward else k < best)]
+            if neighbours:
+                return self._start_burst(min(neighbours) if upward else max(neighbours))
         return best
+
+    def _start_burst(self, k: int) -> int:
+        """Run ``k`` for ``EXPLORE_BURST`` consecutive steps: a step's time is observed only after a step of the
+        same budget, whose tail (its outputs' bookkeeping) it then carries like every step in steady state."""
+        self._burst = (k, EXPLORE_BURST - 1)
+        return k
 
 
 def describe_policy(policy: AdaptiveBudget, max_num_reqs: int) -> str:

@@ -13,6 +13,9 @@
 #   ops          tree ops incl. the drafter top-k | the MLA kernel (auto, portable, decode; all shapes) vs baselines
 #   tests        the gpu-marked tests: end to end + top-k | kernels and backends
 #   load-faults  bench/load_faults.py: both embedded pairs under 200 streams with aborts, then forced preemption
+#   adaptive     the GPU tests of the adaptive budget (forced width switches, the chosen budget; GQA and MLA)
+#   serve-sweep  bench/serve_sweep.py, vLLM's default serving config, one job a config: MLA no spec, V2 chain k=7,
+#                ddtree adaptive 63, ddtree 15 fixed; then GQA chain, adaptive 63, no spec (merge with --merge)
 #   recheck      the GPU tests of the V2 host trims (context K/V + combine graphs, e2e GQA, MLA matches-target) and
 #                of the MLA query pack, then its bench (one lane)
 #   profile      Kimi-K2-attention MLA, budgets 8 16, 32k, batch 1: a torch.profiler table per config (V2 chain, ddtree)
@@ -57,6 +60,14 @@ jobs_of() {
            "--ignore tests/unit/test_draft_topk.py tests" ;;
     load-faults)
       echo "0 load_faults bench/load_faults.py --deadline 540 --out $r/load_faults_h200.json" ;;
+    adaptive)
+      echo "0 tests_adaptive -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu -k adaptive" ;;
+    serve-sweep)
+      local pc
+      for pc in mla:nospec mla:chain-7 mla:adaptive-63 mla:ddtree-15 gqa:chain-7 gqa:adaptive-63 gqa:nospec; do
+        echo "0 sweep_${pc%%:*}_${pc#*:} bench/serve_sweep.py --pairs ${pc%%:*} --configs ${pc#*:}" \
+             "--out $r/sweep_${pc%%:*}_${pc#*:}.json"
+      done ;;
     recheck)
       echo "0 tests_e2e -m pytest -q -s -m gpu -p no:cacheprovider tests/unit/test_context_kv_graphs.py" \
            "tests/gpu/test_ddtree_gpu_e2e.py"

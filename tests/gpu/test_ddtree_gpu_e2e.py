@@ -164,7 +164,7 @@ def test_adaptive_budget_switching_widths_stays_exact(tiny_pair, reference, monk
 
     spec = {"method": "ddtree", "model": str(tiny_pair[1]), "num_speculative_tokens": 7}
     monkeypatch.setenv("VLLM_DDTREE_ADAPTIVE_FORCE", "7,0,3,1,0,7,3")
-    llm = LLM(model=str(tiny_pair[0]), speculative_config=spec, **ENGINE)
+    llm = LLM(model=str(tiny_pair[0]), speculative_config=spec, async_scheduling=True, **ENGINE)
     verify = ReplayCounter(runner(llm).cudagraph_manager)
     assert generate(llm, prompts(), batch=8) == reference
     assert generate(llm, prompts()[:6], batch=1) == reference[:6]
@@ -173,7 +173,7 @@ def test_adaptive_budget_switching_widths_stays_exact(tiny_pair, reference, monk
     del llm
     free()
     monkeypatch.delenv("VLLM_DDTREE_ADAPTIVE_FORCE")
-    llm = LLM(model=str(tiny_pair[0]), speculative_config=spec, **ENGINE)
+    llm = LLM(model=str(tiny_pair[0]), speculative_config=spec, async_scheduling=True, **ENGINE)
     assert generate(llm, prompts(), batch=8) == reference
     budgets, seen, choices = _policy_state(llm)
     assert budgets == [0, 1, 3, 7] and choices > 0 and seen, (budgets, seen, choices)

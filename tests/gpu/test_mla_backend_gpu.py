@@ -169,7 +169,7 @@ def test_adaptive_budget_on_mla_switches_widths(mla_pair, custom_reference, monk
     want, margins = custom_reference("auto", "auto")
     monkeypatch.setenv("VLLM_DDTREE_ADAPTIVE_FORCE", "15,0,7,1,3,0,15")
     spec = {"method": "ddtree", "model": str(mla_pair[1]), "num_speculative_tokens": 15}
-    llm = LLM(model=str(mla_pair[0]), speculative_config=spec, **ENGINE)
+    llm = LLM(model=str(mla_pair[0]), speculative_config=spec, async_scheduling=True, **ENGINE)
     verify = ReplayCounter(runner(llm).cudagraph_manager)
     assert_equal_up_to_near_ties("adaptive forced batch 8", generate(llm, prompts(), batch=8), want, margins)
     assert_equal_up_to_near_ties("adaptive forced batch 1", generate(llm, prompts(), batch=1), want, margins)

@@ -9,6 +9,7 @@ import torch
 from vllm_ddtree import adaptive
 from vllm_ddtree.accept import walk_trees_torch
 from vllm_ddtree.adaptive import (
+    EXPLORE_BURST,
     EXPLORE_EVERY,
     AcceptanceStats,
     AdaptiveBudget,
@@ -46,9 +47,13 @@ def test_step_costs_interpolate_extrapolate_and_learn() -> None:
     assert costs.predicted(3, 7) == pytest.approx(7.0) and costs.predicted(1, 3) is None
     assert costs.covers(4, 7) and not costs.covers(5, 7) and not costs.covers(1, 3)
     for _ in range(40):
-        costs.observe(2, 7, 10.0)  # steps take twice the start-up curve
-    assert costs.scale(7) == pytest.approx(2.0) and costs.cost(1, 7) == pytest.approx(6.0)
-    assert costs.scale(0) == 1.0
+        costs.observe(2, 7, 10.0)  # steps of 2 requests take twice the start-up curve
+    costs.observe(2, 7, 500.0)  # one step beside a collection: the median ignores it
+    assert costs.scale(7, 2) == pytest.approx(2.0) and costs.cost(1, 7) == pytest.approx(6.0)
+    for _ in range(3):
+        costs.observe(8, 7, 3 * costs.predicted(8, 7))  # the 8-request bucket learns its own ratio
+    assert costs.scale(7, 8) == pytest.approx(3.0) and costs.scale(7, 2) == pytest.approx(2.0)
+    assert costs.scale(0) == 1.0 and costs.observations(7) == 16
 
 
 def test_measure_step_costs_visits_the_grid_that_fits() -> None:
@@ -102,6 +107,13 @@ def test_acceptance_counts_only_budgets_a_row_verified() -> None:
     assert stats.expected() == {1: 1.0, 3: 2.0, 7: 3.0}
 
 
+def _explored(policy: AdaptiveBudget, num_reqs: int) -> AdaptiveBudget:
+    """Past the first steps of a bucket, in which every budget runs a few times."""
+    for _ in range(EXPLORE_BURST * len(policy.budgets)):
+        policy.choose(num_reqs)
+    return policy
+
+
 def _policy(forced=None) -> AdaptiveBudget:
     # Few requests: the step costs the same whatever its width (latency-bound); many: cost grows with tokens.
     costs = StepCosts({k: {1: 1.0, 64: 1.0 + 4.0 * (k + 1)} for k in (0, 1, 3, 7)})
@@ -112,16 +124,33 @@ def _policy(forced=None) -> AdaptiveBudget:
 
 def test_policy_picks_the_whole_tree_alone_and_no_drafts_under_load() -> None:
     policy = _policy()
+    first = [policy.choose(1) for _ in range(EXPLORE_BURST * 4)]  # a burst of each budget, best first
+    assert first == [7] * EXPLORE_BURST + [3] * EXPLORE_BURST + [1] * EXPLORE_BURST + [0] * EXPLORE_BURST, first
     assert policy.choose(1) == 7
-    assert policy.choose(64) == 0
+    assert _explored(policy, 64).choose(64) == 0
     ranked = dict((k, v) for v, k in policy.ranked(64))
     assert ranked[0] > ranked[1] > ranked[7]
 
 
-def test_policy_explores_the_next_larger_budget_now_and_then() -> None:
-    policy = _policy()
-    choices = [policy.choose(64) for _ in range(2 * EXPLORE_EVERY)]
-    assert choices.count(1) == 2 and set(choices) == {0, 1}
+def test_near_ties_go_to_no_speculation() -> None:
+    costs = StepCosts({0: {1: 1.0}, 7: {1: 3.8}})
+    stats = AcceptanceStats((0, 7), torch.device("cpu"))
+    stats.record(torch.tensor([[0, 1, 2, 3]]), torch.tensor([7]))
+    policy = _explored(AdaptiveBudget((0, 7), costs, stats, max_depth=3), 1)
+    assert policy.ranked(1)[0][1] == 7 and policy.choose(1) == 0  # 4 tokens in 3.8 s: only 1.05× one in 1 s
+    costs.observe(1, 7, 1.6)
+    costs.observe(1, 7, 1.6)
+    costs.observe(1, 7, 1.6)
+    assert policy.choose(1) == 7  # 4 / 1.6 per second: 2.5×
+
+
+def test_policy_explores_a_neighbour_now_and_then() -> None:
+    policy = _explored(_policy(), 64)
+    choices = [policy.choose(64) for _ in range(4 * EXPLORE_EVERY)]  # best 0: only upward neighbours exist
+    assert choices.count(1) == 2 * EXPLORE_BURST and set(choices) == {0, 1}
+    policy = _explored(_policy(), 1)
+    choices = [policy.choose(1) for _ in range(4 * EXPLORE_EVERY)]  # best 7: only downward ones
+    assert choices.count(3) == 2 * EXPLORE_BURST and set(choices) == {3, 7}
 
 
 def test_forced_policy_cycles() -> None:
@@ -133,7 +162,7 @@ def test_scheduler_budgets_ask_the_local_policy() -> None:
     lookup = SchedulerBudgets(7, ask_policy=True)
     adaptive.register_local(None)
     assert lookup[64] == 7
-    adaptive.register_local(_policy())
+    adaptive.register_local(_explored(_policy(), 64))
     try:
         assert lookup[64] == 0 and SchedulerBudgets(7, ask_policy=False)[64] == 7
     finally:

@@ -21,6 +21,7 @@ EXPECTED_SEAMS = {
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner.__init__",
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner._prepare_inputs",
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner._bookkeeping_sync",
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner.propose_draft_token_ids",
     "vllm.v1.worker.gpu_input_batch.InputBatch.swap_states",
     "vllm.v1.worker.gpu_input_batch.InputBatch.condense",
     "vllm.v1.worker.cpu_model_runner.CPUModelRunner.warming_up_model",

@@ -18,6 +18,9 @@
   The rows are put right after vLLM's swap. ``InputBatch.condense`` moves a request's mask row down without clearing
   the row it leaves, and ``add_request`` writes rows only for requests with allowed ids, so the next request appended
   there inherited the stale mask: rows past the batch are cleared after each condense.
+* ``GPUModelRunner.propose_draft_token_ids``: with an adaptive budget the proposer chooses the next step's budget
+  first; for 0 the step returns no drafts before vLLM prepares the drafter's inputs (a step without speculation
+  then costs what it costs without a drafter).
 * ``CPUModelRunner.warming_up_model``: afterwards, with an adaptive budget, time dummy decode steps of every
   candidate budget and give the proposer its policy (``vllm_ddtree.adaptive``).
 ``CPUModelRunner`` subclasses ``GPUModelRunner``, so it inherits the runner seams.
@@ -76,6 +79,18 @@ def _prepare_inputs(self: Any, scheduler_output: Any, num_scheduled_tokens: Any)
     chain = needs_chain(self.input_batch.sampling_metadata, scheduler_output.has_structured_output_requests)
     state.begin_step(req_ids, drafts, self.positions, query_start, chain_only=chain)
     return result
+
+
+def _propose_draft_token_ids(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+    import torch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_ddtree.v1.proposer import DDTreeProposer
+
+    drafter = getattr(self, "drafter", None)
+    if isinstance(drafter, DDTreeProposer) and drafter.choose_budget(self.input_batch.num_reqs) == 0:
+        return torch.empty((self.input_batch.num_reqs, 0), dtype=torch.int64, device=self.device)
+    return GPUModelRunner._orig_propose_draft_token_ids(self, scheduler_output, *args, **kwargs)
 
 
 def _warming_up_model(self: Any) -> None:
@@ -147,6 +162,7 @@ def apply() -> None:
     patch_attr(GPUModelRunner, "__init__", _runner_init)
     patch_attr(GPUModelRunner, "_prepare_inputs", _prepare_inputs)
     patch_attr(GPUModelRunner, "_bookkeeping_sync", _bookkeeping_sync)
+    patch_attr(GPUModelRunner, "propose_draft_token_ids", _propose_draft_token_ids)
     patch_attr(InputBatch, "swap_states", _swap_states)
     patch_attr(InputBatch, "condense", _condense)
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner

@@ -66,6 +66,7 @@ class DDTreeProposer(DFlashProposer):
         self.state = V1StepState(ddtree, vllm_config.scheduler_config.max_num_seqs, device)
         self._trees: DraftTrees | None = None
         self._chain = False
+        self._next_budget = ddtree.budget
 
     def _greedy_sample(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Instead of DFlash's argmax chain: per-depth top-k of the drafter's D positions, then the trees (the
@@ -100,17 +101,9 @@ class DDTreeProposer(DFlashProposer):
         slot_mappings: Any = None,
     ) -> torch.Tensor:
         """The next step's drafts: the first ``k`` nodes of each request's tree, ``k`` the configured budget or
-        the adaptive budget's choice for this batch; no drafter pass at all when it chooses 0."""
+        the adaptive budget's choice for this batch (``choose_budget``; for 0 the runner seam never calls this)."""
         batch = common_attn_metadata.batch_size()
-        budget = self.ddtree.budget
-        policy = self.state.adaptive
-        if policy is not None:
-            self._observe_step(policy)
-            budget = policy.choose(batch)
-        if budget == 0:
-            self.state.paths = None
-            self.state.skip_step()
-            return torch.empty((batch, 0), dtype=torch.int64, device=target_token_ids.device)
+        budget = self._next_budget if self.state.adaptive is not None else self.ddtree.budget
         self._chain = needs_chain(sampling_metadata, self._has_structured_output(common_attn_metadata.batch_size()))
         paths = self.state.paths
         if paths is not None:
@@ -136,17 +129,35 @@ class DDTreeProposer(DFlashProposer):
         self.state.record_proposal(list(self.runner.input_batch.req_ids[:batch]), self._trees)
         return self._trees.node_tokens[:, :budget]
 
+    def choose_budget(self, batch: int) -> int:
+        """The next step's budget (the runner asks before vLLM prepares the drafter's inputs): the configured one,
+        or the adaptive budget's choice after folding in the step that just ran; 0 voids this step's paths and
+        proposal (nothing will consume them)."""
+        policy = self.state.adaptive
+        if policy is None:
+            return self.ddtree.budget
+        self._observe_step(policy)
+        self._next_budget = policy.choose(batch)
+        if self._next_budget == 0:
+            self.state.paths = None
+            self.state.skip_step()
+        return self._next_budget
+
     def _observe_step(self, policy: AdaptiveBudget) -> None:
-        """The time since the last proposal is one whole engine step (vLLM-CPU runs synchronously): a uniform
-        decode step's time corrects the cost model of its budget; idle gaps (far beyond the model) are dropped."""
+        """The time since the last proposal is one whole engine step (vLLM-CPU runs synchronously), the previous
+        step's tail included: a uniform decode step after one of the same shape corrects the cost model of its
+        budget; idle gaps (far beyond the model) are dropped."""
         now = time.perf_counter()
         last, self.state.last_propose_time = self.state.last_propose_time, now
-        shape = self.state.step_shape
-        if last is None or shape is None:
+        shape, previous = self.state.step_shape, self.state.previous_shape
+        self.state.previous_shape = shape
+        if last is None or shape is None or shape != previous:
             return
-        predicted = policy.costs.predicted(*shape)
-        if predicted is not None and now - last < IDLE_GAP_FACTOR * predicted * policy.costs.scale(shape[1]) + 1.0:
-            policy.costs.observe(*shape, now - last)
+        num_reqs, budget = shape
+        predicted = policy.costs.predicted(num_reqs, budget)
+        expected = None if predicted is None else predicted * policy.costs.scale(budget, num_reqs)
+        if expected is not None and now - last < IDLE_GAP_FACTOR * expected + 1.0:
+            policy.costs.observe(num_reqs, budget, now - last)
 
     def init_adaptive_budget(self, runner: Any) -> None:
         """After warm-up: time a dummy decode step of every candidate budget (the drafter pass sized as it runs:
@@ -164,7 +175,6 @@ class DDTreeProposer(DFlashProposer):
                 runner.scheduler_config.max_num_seqs,
                 lambda r, k: r * (max(k, depth) + 1) <= max_tokens,
                 lambda: None,
-                repeats=2,
             )
         )
         forced = envs.VLLM_DDTREE_ADAPTIVE_FORCE

