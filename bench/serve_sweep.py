@@ -153,7 +153,7 @@ def run_config(pair: str, config: str, series: str, args: argparse.Namespace, gp
                dataset: Path, size: int) -> dict[str, Any]:  # fmt: skip
     from vllm_ddtree.launch import openai_server
 
-    log = workdir / f"{pair}-{config}-{series}.log"
+    log = (args.logs or workdir) / f"server-{pair}-{config}-{series}.log"
     record: dict[str, Any] = {"pair": pair, "config": config, "series": series, "cells": []}
     start = time.time()
     try:
@@ -253,6 +253,7 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--tuned", action="store_true", help="add the repo's tuned settings as a second series")
     parser.add_argument("--out", type=Path, help="JSON to write (and update after every config)")
+    parser.add_argument("--logs", type=Path, help="keep each server's log in this folder (default: discarded)")
     parser.add_argument("--plot", type=Path, help="only draw the PNG of an existing sweep JSON")
     parser.add_argument("--merge", nargs="+", type=Path, help="only merge sweep JSONs (one run each) into --out")
     args = parser.parse_args()
@@ -269,8 +270,11 @@ def main() -> int:
 
     gpu = torch.cuda.is_available()
     series = ["default", "tuned"] if args.tuned else ["default"]
-    report: dict[str, Any] = {"meta": run_meta(), "settings": {**vars(args), "out": str(args.out), "plot": None}}
+    settings = {**vars(args), "out": str(args.out), "logs": str(args.logs), "plot": None, "merge": None}
+    report: dict[str, Any] = {"meta": run_meta(), "settings": settings}
     report["records"] = records = []
+    if args.logs:
+        args.logs.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         for pair in args.pairs:

@@ -22,6 +22,7 @@ replaces the choice by a fixed cycle of budgets (tests and benches).
 from __future__ import annotations
 
 import bisect
+import logging
 import math
 import statistics
 import threading
@@ -30,6 +31,8 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 
 import torch
+
+logger = logging.getLogger("vllm.ddtree")
 
 EXPLORE_EVERY = 32
 """Every this many choices a neighbour of the best budget runs once (the next larger, then the next smaller, in
@@ -41,6 +44,8 @@ RATIO_WINDOW = 16
 SPECULATION_MARGIN = 1.1
 """Speculate only where the best budget is expected to beat no speculation by this factor: its gain is an estimate
 and its cost varies more (deeper steps, KV compaction), so near-ties go to the plain decode step."""
+LOG_INTERVAL_S = 10.0
+"""How often the policy logs what it chose (vLLM's own stats interval)."""
 MIN_BUCKET_RATIOS = 3
 """Ratios a bucket needs before its own median replaces the budget's."""
 ACCEPTANCE_DECAY = 0.99
@@ -253,6 +258,8 @@ class AdaptiveBudget:
         self._burst = (0, 0)
         self.chosen: Counter[int] = Counter()
         """How often each budget was chosen (tests, benches)."""
+        self._recent: Counter[int] = Counter()
+        self._logged_at = time.monotonic()
 
     def expected_accepted(self, k: int, seen: dict[int, float]) -> float:
         """E[accepted drafts | budget k]: what steps showed, else the optimistic bound (every node of a chain)."""
@@ -274,6 +281,18 @@ class AdaptiveBudget:
         """The budget for the next decode step of ``num_reqs`` requests."""
         k = self._choose(num_reqs)
         self.chosen[k] += 1
+        self._recent[k] += 1
+        now = time.monotonic()
+        if now - self._logged_at >= LOG_INTERVAL_S:
+            self._logged_at = now
+            seen = self.stats.expected()
+            logger.info(
+                "DDTree adaptive budget: the last %d steps verified %s; accepted drafts by budget %s",
+                sum(self._recent.values()),
+                ", ".join(f"{b} nodes {n}x" for b, n in sorted(self._recent.items())),
+                {b: round(a, 2) for b, a in sorted(seen.items())},
+            )
+            self._recent.clear()
         return k
 
     def _choose(self, num_reqs: int) -> int:

@@ -66,7 +66,7 @@ jobs_of() {
       local pc
       for pc in mla:nospec mla:chain-7 mla:adaptive-63 mla:ddtree-15 gqa:chain-7 gqa:adaptive-63 gqa:nospec; do
         echo "0 sweep_${pc%%:*}_${pc#*:} bench/serve_sweep.py --pairs ${pc%%:*} --configs ${pc#*:}" \
-             "--out $r/sweep_${pc%%:*}_${pc#*:}.json"
+             "--logs $r/serve_logs --out $r/sweep_${pc%%:*}_${pc#*:}.json"
       done ;;
     recheck)
       echo "0 tests_e2e -m pytest -q -s -m gpu -p no:cacheprovider tests/unit/test_context_kv_graphs.py" \

@@ -110,14 +110,22 @@ class DDTreeSpeculator(DFlashSpeculator):
 
     def init_adaptive_budget(self, runner: Any) -> None:
         """After graph capture: time a decode step of every candidate budget and install the policy that the
-        scheduler of this process asks each step (Model Runner V2 draws the next step's drafts from the scheduler's
-        placeholders only when scheduling is async, so a synchronous engine keeps the whole budget)."""
+        scheduler of this process asks each step. Model Runner V2 draws the next step's drafts from the scheduler's
+        placeholders only when scheduling is async, and the scheduler sees the policy only when the worker shares
+        its process (one GPU): otherwise every step keeps the whole budget."""
         register_local(None)
         self.step.adaptive = None
         if not self.ddtree.adaptive_budget:
             return
         if not self.vllm_config.scheduler_config.async_scheduling:
             logger.warning("DDTree: the adaptive budget needs async scheduling; every step verifies all nodes.")
+            return
+        if self.vllm_config.parallel_config.world_size > 1:
+            logger.warning(
+                "DDTree: the adaptive budget is chosen in the scheduler's process, which holds no worker with %d "
+                "GPUs; every step verifies all nodes.",
+                self.vllm_config.parallel_config.world_size,
+            )
             return
         budgets = self.ddtree.budgets
         max_tokens = self.vllm_config.scheduler_config.max_num_batched_tokens
