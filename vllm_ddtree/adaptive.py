@@ -15,7 +15,8 @@ configured budget) for a batch of ``r`` requests by maximising ``(1 + E[accepted
 
 Budgets never seen get the optimistic ``min(k, max_depth)`` until a step shows them; in a request-count bucket
 first seen each budget runs a burst of ``EXPLORE_BURST`` steps, and then every ``EXPLORE_EVERY`` choices a
-neighbouring budget runs a burst, so the estimates follow the traffic. ``VLLM_DDTREE_ADAPTIVE_FORCE``
+neighbouring budget above 0 that is not far behind runs a burst, so the estimates follow the traffic. Switching
+speculation off or on waits ``MODE_DWELL`` choices after the last such switch. ``VLLM_DDTREE_ADAPTIVE_FORCE``
 replaces the choice by a fixed cycle of budgets (tests and benches).
 """
 
@@ -37,6 +38,11 @@ logger = logging.getLogger("vllm.ddtree")
 EXPLORE_EVERY = 32
 """Every this many choices a neighbour of the best budget runs once (the next larger, then the next smaller, in
 turn), to keep its acceptance and cost estimates current."""
+EXPLORE_WITHIN = 0.7
+"""Only budgets expected at this fraction of the best's tokens per second or more are explored."""
+MODE_DWELL = 32
+"""Choices between switching speculation off and on again: a step without drafts skips the drafter pass, so its
+requests' drafter context has a gap there; switches are kept rare (budgets above 0 switch freely)."""
 EXPLORE_BURST = 4
 """Consecutive steps an explored budget runs (its first step follows another budget and is not observed)."""
 RATIO_WINDOW = 16
@@ -256,6 +262,7 @@ class AdaptiveBudget:
         self._choices = 0
         self._tries: dict[tuple[int, int], int] = {}
         self._burst = (0, 0)
+        self._mode, self._mode_since = self.budgets[-1], 0
         self.chosen: Counter[int] = Counter()
         """How often each budget was chosen (tests, benches)."""
         self._recent: Counter[int] = Counter()
@@ -311,12 +318,19 @@ class AdaptiveBudget:
                 self._tries[k, bucket] = 1
                 return self._start_burst(k)
         value = {k: v for v, k in ranked}
-        best = ranked[0][1]
-        if best != 0 and 0 in value and value[best] < SPECULATION_MARGIN * value[0]:
+        speculating = [(v, k) for v, k in ranked if k > 0]
+        best = speculating[0][1] if speculating else 0
+        if 0 in value and (best == 0 or value[best] < SPECULATION_MARGIN * value[0]):
             best = 0
-        if self._choices % EXPLORE_EVERY == 0:
+        if (best == 0) != (self._mode == 0):
+            if self._choices - self._mode_since < MODE_DWELL:
+                best = self._mode if self._mode == 0 or not speculating else speculating[0][1]
+            else:
+                self._mode, self._mode_since = best, self._choices
+        if self._choices % EXPLORE_EVERY == 0 and best > 0:
             upward = (self._choices // EXPLORE_EVERY) % 2 == 1
-            neighbours = [k for _, k in ranked if (k > best if upward else k < best)]
+            neighbours = [k for _, k in speculating if (k > best if upward else k < best)]
+            neighbours = [k for k in neighbours if value[k] >= EXPLORE_WITHIN * value[best]]
             if neighbours:
                 return self._start_burst(min(neighbours) if upward else max(neighbours))
         return best

@@ -11,6 +11,7 @@ from vllm_ddtree.accept import walk_trees_torch
 from vllm_ddtree.adaptive import (
     EXPLORE_BURST,
     EXPLORE_EVERY,
+    MODE_DWELL,
     AcceptanceStats,
     AdaptiveBudget,
     SchedulerBudgets,
@@ -108,8 +109,9 @@ def test_acceptance_counts_only_budgets_a_row_verified() -> None:
 
 
 def _explored(policy: AdaptiveBudget, num_reqs: int) -> AdaptiveBudget:
-    """Past the first steps of a bucket, in which every budget runs a few times."""
-    for _ in range(EXPLORE_BURST * len(policy.budgets)):
+    """Past the first steps of a bucket, in which every budget runs a few times, and past the dwell after which
+    speculation may switch off."""
+    for _ in range(EXPLORE_BURST * len(policy.budgets) + MODE_DWELL):
         policy.choose(num_reqs)
     return policy
 
@@ -141,13 +143,21 @@ def test_near_ties_go_to_no_speculation() -> None:
     costs.observe(1, 7, 1.6)
     costs.observe(1, 7, 1.6)
     costs.observe(1, 7, 1.6)
-    assert policy.choose(1) == 7  # 4 / 1.6 per second: 2.5×
+    choices = [policy.choose(1) for _ in range(MODE_DWELL + 1)]  # 4 / 1.6 per second: 2.5×, once the dwell is over
+    assert choices[-1] == 7 and choices[0] == 0
+
+
+def test_switching_speculation_off_waits_for_the_dwell() -> None:
+    policy = _policy()
+    first = [policy.choose(64) for _ in range(EXPLORE_BURST * 4 + MODE_DWELL)]
+    after_bursts = first[EXPLORE_BURST * 4 :]
+    assert 0 not in after_bursts[: MODE_DWELL - EXPLORE_BURST * 4 - 1] and after_bursts[-1] == 0, first
 
 
 def test_policy_explores_a_neighbour_now_and_then() -> None:
     policy = _explored(_policy(), 64)
-    choices = [policy.choose(64) for _ in range(4 * EXPLORE_EVERY)]  # best 0: only upward neighbours exist
-    assert choices.count(1) == 2 * EXPLORE_BURST and set(choices) == {0, 1}
+    choices = [policy.choose(64) for _ in range(4 * EXPLORE_EVERY)]  # best 0: speculation is not switched on
+    assert set(choices) == {0}
     policy = _explored(_policy(), 1)
     choices = [policy.choose(1) for _ in range(4 * EXPLORE_EVERY)]  # best 7: only downward ones
     assert choices.count(3) == 2 * EXPLORE_BURST and set(choices) == {3, 7}
