@@ -22,6 +22,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -267,6 +268,10 @@ def main() -> int:
 
     import torch
     from meta import run_meta
+
+    # A job runner's timeout sends SIGTERM: leave through the server's context manager, which stops the server (its
+    # own process group) instead of leaving it holding the GPU for the next config.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     gpu = torch.cuda.is_available()
     series = ["default", "tuned"] if args.tuned else ["default"]

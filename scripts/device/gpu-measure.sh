@@ -14,7 +14,8 @@
 #   tests        the gpu-marked tests: end to end + top-k | kernels and backends
 #   load-faults  bench/load_faults.py: both embedded pairs under 200 streams with aborts, then forced preemption
 #   adaptive     the GPU tests of the adaptive budget (forced width switches, the chosen budget; GQA and MLA)
-#   serve-sweep  bench/serve_sweep.py, vLLM's default serving config, one job a config: MLA no spec, V2 chain k=7,
+#   serve-sweep  bench/serve_sweep.py, vLLM's default serving config, one job a config (needs JOB_TIMEOUT=1500: a
+#                config's five concurrencies take ~10 min with compile): MLA no spec, V2 chain k=7,
 #                ddtree adaptive 63, ddtree 15 fixed; then GQA chain, adaptive 63, no spec (merge with --merge)
 #   recheck      the GPU tests of the V2 host trims (context K/V + combine graphs, e2e GQA, MLA matches-target) and
 #                of the MLA query pack, then its bench (one lane)

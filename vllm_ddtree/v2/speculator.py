@@ -82,6 +82,17 @@ class DDTreeSpeculator(DFlashSpeculator):
         super()._copy_request_inputs(num_reqs, idx_mapping, temperature, seeds)
         self.idx_mapping[num_reqs:].fill_(-1)  # padded graph rows write the trash tree row
 
+    def init_cudagraph_manager(self, cudagraph_mode: CUDAGraphMode) -> None:
+        """DFlash's drafter graphs, sized by the drafter's own 1 + max_depth queries a request: the candidate
+        budgets the config names for the target's verify graphs (``adaptive.dynamic_sd_table``) are hidden from
+        its graph manager, which would otherwise derive drafter widths from them."""
+        spec = self.vllm_config.speculative_config
+        table, spec.num_speculative_tokens_per_batch_size = spec.num_speculative_tokens_per_batch_size, None
+        try:
+            super().init_cudagraph_manager(cudagraph_mode)
+        finally:
+            spec.num_speculative_tokens_per_batch_size = table
+
     def capture(self) -> None:
         """DFlash's drafter graphs (their dummy rows must not write live trees), then the combine of the target's
         auxiliary hidden states and the context K/V write of every decode size (``context_kv_graphs``); vLLM
