@@ -8,15 +8,17 @@ configured budget) for a batch of ``r`` requests by maximising ``(1 + E[accepted
 
 * ``StepCosts``: seconds of a decode step of ``r`` requests at budget ``k``, timed at start-up (dummy decode
   steps of the real runner, graphs where vLLM captured them) and corrected online by what steps of each ``k``
-  actually take (``observe``) where the runner can time a step without waiting on the device.
+  actually take (``observe``) where the runner can time a step without waiting on the device (vLLM-CPU; Model
+  Runner V2 keeps the start-up curve).
 * ``AcceptanceStats``: accepted draft tokens per request for every candidate ``k`` at once, from each step's
   accepted paths: a ``k``-node prefix accepts exactly the path's nodes numbered ``<= k``. Counted on the device,
   read back through a copy that is only looked at once it has landed (no host synchronisation in the decode loop).
 
 Budgets never seen get the optimistic ``min(k, max_depth)`` until a step shows them; in a request-count bucket
 first seen each budget runs a burst of ``EXPLORE_BURST`` steps, and then every ``EXPLORE_EVERY`` choices a
-neighbouring budget above 0 that is not far behind runs a burst, so the estimates follow the traffic. Switching
-speculation off or on waits ``MODE_DWELL`` choices after the last such switch. ``VLLM_DDTREE_ADAPTIVE_FORCE``
+neighbouring budget above 0 that is not far behind runs a burst, and every ``SWITCH_EXPLORE_EVERY`` the other side
+of the speculation switch, so the estimates follow the traffic. Switching speculation off or on for good waits
+``MODE_DWELL`` choices after the last such switch. ``VLLM_DDTREE_ADAPTIVE_FORCE``
 replaces the choice by a fixed cycle of budgets (tests and benches).
 """
 
@@ -36,13 +38,16 @@ import torch
 logger = logging.getLogger("vllm.ddtree")
 
 EXPLORE_EVERY = 32
-"""Every this many choices a neighbour of the best budget runs once (the next larger, then the next smaller, in
+"""Every this many choices a neighbour of the best budget runs a burst (the next larger, then the next smaller, in
 turn), to keep its acceptance and cost estimates current."""
 EXPLORE_WITHIN = 0.7
 """Only budgets expected at this fraction of the best's tokens per second or more are explored."""
 MODE_DWELL = 32
 """Choices between switching speculation off and on again: a step without drafts skips the drafter pass, so its
 requests' drafter context has a gap there; switches are kept rare (budgets above 0 switch freely)."""
+SWITCH_EXPLORE_EVERY = 512
+"""Every this many choices the other side of the speculation switch runs a burst (no drafts while speculating, the
+best budget while not), so a cost or acceptance estimate gone stale on that side cannot pin the choice."""
 EXPLORE_BURST = 4
 """Consecutive steps an explored budget runs (its first step follows another budget and is not observed)."""
 RATIO_WINDOW = 16
@@ -327,6 +332,8 @@ class AdaptiveBudget:
                 best = self._mode if self._mode == 0 or not speculating else speculating[0][1]
             else:
                 self._mode, self._mode_since = best, self._choices
+        if self._choices % SWITCH_EXPLORE_EVERY == 0 and (best > 0 or speculating):
+            return self._start_burst(0 if best > 0 else speculating[0][1])  # the other side of the switch
         if self._choices % EXPLORE_EVERY == 0 and best > 0:
             upward = (self._choices // EXPLORE_EVERY) % 2 == 1
             neighbours = [k for _, k in speculating if (k > best if upward else k < best)]
