@@ -268,7 +268,7 @@ def main() -> int:
         speculative_config(config, Path("."))
 
     import torch
-    from meta import run_meta
+    from meta import repo_path, run_meta
 
     # A job runner's timeout sends SIGTERM: leave through the server's context manager, which stops the server (its
     # own process group) instead of leaving it holding the GPU for the next config.
@@ -276,7 +276,8 @@ def main() -> int:
 
     gpu = torch.cuda.is_available()
     series = ["default", "tuned"] if args.tuned else ["default"]
-    settings = {**vars(args), "out": str(args.out), "logs": str(args.logs), "plot": None, "merge": None}
+    where = {k: repo_path(v) if v else None for k, v in (("out", args.out), ("logs", args.logs))}
+    settings = {**vars(args), **where, "plot": None, "merge": None}
     report: dict[str, Any] = {"meta": run_meta(), "settings": settings}
     report["records"] = records = []
     if args.logs:

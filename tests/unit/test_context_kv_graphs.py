@@ -176,7 +176,7 @@ def test_the_speculator_hands_dflash_the_replayed_rows_or_the_auxiliary_states(
         DFlashSpeculator, "propose", lambda self, batch, meta, slots, last, aux, *rest: handed.append((last, aux))
     )
     speculator = object.__new__(DDTreeSpeculator)
-    speculator.step = SimpleNamespace(take_paths=lambda: None)
+    speculator.step = SimpleNamespace(take_paths=lambda: None, skip_drafter=False)
     speculator.hidden_states = torch.zeros(8, 4)
     offered: list[list[torch.Tensor]] = []
     speculator.combine_graphs = SimpleNamespace(replay=lambda aux: offered.append(aux) or replayed)

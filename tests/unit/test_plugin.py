@@ -138,13 +138,15 @@ def test_v2_ddtree_schedulers_skip_the_common_prefix_scan(
 ) -> None:
     """Model Runner V2 never reads the scheduler's count of blocks common to all running requests (V1's cascade
     attention input), which costs a Python loop over a request's blocks every step; a ddtree scheduler on V2 reports
-    zeros without the loop, every other scheduler keeps vLLM's count."""
+    zeros without the loop, every other scheduler keeps vLLM's count. A ddtree scheduler's dynamic speculative-decoding
+    lookup is the adaptive budget's stand-in, asking the in-process policy on V2 with async scheduling only."""
     from types import SimpleNamespace
 
     from vllm.v1.core.sched.scheduler import Scheduler
 
+    from vllm_ddtree.adaptive import SchedulerBudgets
     from vllm_ddtree.config import DDTreeConfig
-    from vllm_ddtree.patches import v2 as v2_seams
+    from vllm_ddtree.patches import scheduler as scheduler_seams
 
     scanned: list[str] = []
 
@@ -155,15 +157,21 @@ def test_v2_ddtree_schedulers_skip_the_common_prefix_scan(
     def built(self: object, *args: object, **kwargs: object) -> None:
         spec = SimpleNamespace(ddtree=DDTreeConfig(budget=8, topk=4, max_depth=7) if ddtree else None)
         self.use_v2_model_runner = v2
-        self.vllm_config = SimpleNamespace(speculative_config=spec)
+        self.vllm_config = SimpleNamespace(
+            speculative_config=spec, scheduler_config=SimpleNamespace(async_scheduling=True)
+        )
+        self.dynamic_sd_lookup = None
         self.kv_cache_config = SimpleNamespace(kv_cache_groups=[object(), object()])
         self.kv_cache_manager = SimpleNamespace(get_num_common_prefix_blocks=scan)
 
     monkeypatch.setattr(Scheduler, "_orig___init__", built, raising=False)
     scheduler = object.__new__(Scheduler)
-    v2_seams._scheduler_init(scheduler)
+    scheduler_seams._scheduler_init(scheduler)
     counts = scheduler.kv_cache_manager.get_num_common_prefix_blocks("req-0")
     assert (counts, scanned) == (([0, 0], []) if skipped else ([3, 3], ["req-0"]))
+    lookup = scheduler.dynamic_sd_lookup
+    assert isinstance(lookup, SchedulerBudgets) == ddtree
+    assert not ddtree or (lookup.ask_policy, lookup.budget) == (v2, 8)
 
 
 def test_v2_target_step_builds_metadata_for_target_groups_only(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -41,7 +41,7 @@ CHECK = textwrap.dedent(
         )
         tree_sampler = object.__new__(DDTreeRejectionSampler)
         tree_sampler.sampler, tree_sampler.budget, tree_sampler.max_depth = sampler, trees.parents.shape[1] - 1, 6
-        tree_sampler._step = SimpleNamespace(trees=trees, pending_paths=None)
+        tree_sampler._step = SimpleNamespace(trees=trees, pending_paths=None, adaptive=None)
         tree_sampler._compactors, tree_sampler._block_tables = [], None
         batch = SimpleNamespace(
             input_ids=inputs.to(torch.int32), logits_indices=torch.arange(rows), positions=torch.arange(rows),

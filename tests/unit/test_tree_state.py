@@ -84,10 +84,10 @@ def test_the_v1_step_hook_drops_the_last_steps_paths(monkeypatch: pytest.MonkeyP
     state.paths = object()  # type: ignore[assignment]
     runner = SimpleNamespace(
         _ddtree_state=state,
-        input_batch=SimpleNamespace(num_reqs=0, generators={}),
+        input_batch=SimpleNamespace(num_reqs=0, req_ids=[], generators={}),
         discard_request_mask=SimpleNamespace(np=np.zeros(4, dtype=bool)),
     )
-    v1._prepare_inputs(runner, None, None)
+    v1._prepare_inputs(runner, SimpleNamespace(scheduled_spec_decode_tokens={}), np.zeros(0, dtype=np.int32))
     assert state.paths is None
 
 
