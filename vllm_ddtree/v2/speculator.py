@@ -133,8 +133,8 @@ class DDTreeSpeculator(DFlashSpeculator):
             return
         if self.vllm_config.parallel_config.world_size > 1:
             logger.warning(
-                "DDTree: the adaptive budget is chosen in the scheduler's process, which holds no worker with %d "
-                "GPUs; every step verifies all nodes.",
+                "DDTree: the adaptive budget needs the worker in the scheduler's process (one GPU), not %d GPU "
+                "workers; every step verifies all nodes.",
                 self.vllm_config.parallel_config.world_size,
             )
             return
