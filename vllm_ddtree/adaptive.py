@@ -362,6 +362,28 @@ def describe_policy(policy: AdaptiveBudget, max_num_reqs: int) -> str:
     return f"budgets {list(policy.budgets)}; at start-up " + ", ".join(picks)
 
 
+def timed_policy(
+    run_step: Callable[[int, int], None],
+    budgets: Sequence[int],
+    max_num_reqs: int,
+    fits: Callable[[int, int], bool],
+    sync: Callable[[], None],
+    device: torch.device,
+    max_depth: int,
+) -> AdaptiveBudget:
+    """The policy of one runner: its start-up step timings (``measure_step_costs``), fresh acceptance counts, and
+    the forced cycle of ``VLLM_DDTREE_ADAPTIVE_FORCE`` if set; logged once."""
+    from vllm_ddtree import envs
+
+    costs = StepCosts(measure_step_costs(run_step, budgets, max_num_reqs, fits, sync))
+    forced = envs.VLLM_DDTREE_ADAPTIVE_FORCE
+    policy = AdaptiveBudget(
+        budgets, costs, AcceptanceStats(budgets, device), max_depth, forced_budgets(forced, budgets) if forced else None
+    )
+    logger.info("DDTree adaptive budget: %s", describe_policy(policy, max_num_reqs))
+    return policy
+
+
 _LOCAL: list[AdaptiveBudget | None] = [None]
 """The policy of the engine whose worker runs in this process (Model Runner V2's scheduler reads it)."""
 

@@ -8,29 +8,18 @@ path order and positions are made linear again, so DFlash sees exactly the histo
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
 import torch
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
-from vllm_ddtree import envs
 from vllm_ddtree.accept import AcceptedPaths, path_permutation
-from vllm_ddtree.adaptive import (
-    AcceptanceStats,
-    AdaptiveBudget,
-    StepCosts,
-    describe_policy,
-    forced_budgets,
-    measure_step_costs,
-)
+from vllm_ddtree.adaptive import AdaptiveBudget, timed_policy
 from vllm_ddtree.config import DDTreeConfig, get_ddtree_config
 from vllm_ddtree.draft_topk import topk_logprobs
 from vllm_ddtree.tree import DraftTrees, build_trees
 from vllm_ddtree.v1.step_state import V1StepState, needs_chain
-
-logger = logging.getLogger("vllm.ddtree")
 
 CPU_TIMING_MAX_TOKENS = 1024
 """Largest dummy step timed at start-up on vLLM-CPU (larger batches follow the last timings' slope)."""
@@ -168,26 +157,14 @@ class DDTreeProposer(DFlashProposer):
         budgets = self.ddtree.budgets
         depth = self.ddtree.max_depth
         max_tokens = min(runner.max_num_tokens, CPU_TIMING_MAX_TOKENS)
-        costs = StepCosts(
-            measure_step_costs(
-                lambda r, k: self._dummy_decode_step(runner, r, k),
-                budgets,
-                runner.scheduler_config.max_num_seqs,
-                lambda r, k: r * (max(k, depth) + 1) <= max_tokens,
-                lambda: None,
-            )
-        )
-        forced = envs.VLLM_DDTREE_ADAPTIVE_FORCE
-        self.state.adaptive = AdaptiveBudget(
+        self.state.adaptive = timed_policy(
+            lambda r, k: self._dummy_decode_step(runner, r, k),
             budgets,
-            costs,
-            AcceptanceStats(budgets, self.device),
+            runner.scheduler_config.max_num_seqs,
+            lambda r, k: r * (max(k, depth) + 1) <= max_tokens,
+            lambda: None,
+            self.device,
             depth,
-            forced_budgets(forced, budgets) if forced else None,
-        )
-        logger.info(
-            "DDTree adaptive budget: %s",
-            describe_policy(self.state.adaptive, runner.scheduler_config.max_num_seqs),
         )
 
     @torch.inference_mode()

@@ -16,16 +16,7 @@ import torch
 from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
-from vllm_ddtree import envs
-from vllm_ddtree.adaptive import (
-    AcceptanceStats,
-    AdaptiveBudget,
-    StepCosts,
-    describe_policy,
-    forced_budgets,
-    measure_step_costs,
-    register_local,
-)
+from vllm_ddtree.adaptive import register_local, timed_policy
 from vllm_ddtree.config import DDTreeConfig, get_ddtree_config
 from vllm_ddtree.draft_topk import topk_logprobs
 from vllm_ddtree.patches.v2 import install_context_kv_graphs
@@ -140,26 +131,17 @@ class DDTreeSpeculator(DFlashSpeculator):
             return
         budgets = self.ddtree.budgets
         max_tokens = self.vllm_config.scheduler_config.max_num_batched_tokens
-        costs = StepCosts(
-            measure_step_costs(
-                lambda r, k: self._dummy_decode_step(runner, r, k),
-                budgets,
-                runner.max_num_reqs,
-                lambda r, k: r * (k + 1) <= max_tokens,
-                torch.accelerator.synchronize,
-            )
-        )
-        forced = envs.VLLM_DDTREE_ADAPTIVE_FORCE
-        policy = AdaptiveBudget(
+        policy = timed_policy(
+            lambda r, k: self._dummy_decode_step(runner, r, k),
             budgets,
-            costs,
-            AcceptanceStats(budgets, self.device),
+            runner.max_num_reqs,
+            lambda r, k: r * (k + 1) <= max_tokens,
+            torch.accelerator.synchronize,
+            self.device,
             self.ddtree.max_depth,
-            forced_budgets(forced, budgets) if forced else None,
         )
         self.step.adaptive = policy
         register_local(policy)
-        logger.info("DDTree adaptive budget: %s", describe_policy(policy, runner.max_num_reqs))
 
     @torch.inference_mode()
     def _dummy_decode_step(self, runner: Any, num_reqs: int, budget: int) -> None:
