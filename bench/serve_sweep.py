@@ -39,7 +39,7 @@ MODELS = ROOT / "models"
 PROMPTS = MODELS / "heldout_prompts.json"
 PAIRS = {"mla": ("stdlib-mla-tiny", "stdlib-mla-tiny-dflash"), "gqa": ("stdlib-qwen3-tiny", "stdlib-qwen3-tiny-dflash")}
 SERVED = "tiny"
-DEFAULT_CONFIGS = ["nospec", "chain-7", "ddtree-8", "ddtree-16", "ddtree-32", "ddtree-63", "adaptive-63"]
+DEFAULT_CONFIGS = ["nospec", "chain-7", "vllmchain-7", "ddtree-8", "ddtree-16", "ddtree-32", "ddtree-63", "adaptive-63"]
 TUNED = ["-cc", json.dumps({"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})]
 """The repo's tuned settings (its step benches'): no torch.compile, FULL graphs for uniform decode steps only."""
 BENCH_SERVE = (
@@ -56,14 +56,15 @@ PROFILED_STEPS = 400
 
 
 def speculative_config(config: str, drafter: Path) -> dict[str, Any] | None:
-    """``nospec``, ``chain-K`` (vLLM's dflash, K drafts), ``ddtree-B`` (fixed budget B), ``adaptive-B``."""
+    """``nospec``, ``chain-K`` (vLLM's dflash, K drafts), ``vllmchain-K`` (the same with no vLLM plugin loaded:
+    vLLM as its users have it without this one), ``ddtree-B`` (fixed budget B), ``adaptive-B``."""
     if config == "nospec":
         return None
     name, _, number = config.partition("-")
-    if name not in ("chain", "ddtree", "adaptive") or not number.isdigit():
-        raise SystemExit(f"unknown config {config!r}: use nospec, chain-K, ddtree-B or adaptive-B")
+    if name not in ("chain", "vllmchain", "ddtree", "adaptive") or not number.isdigit():
+        raise SystemExit(f"unknown config {config!r}: use nospec, chain-K, vllmchain-K, ddtree-B or adaptive-B")
     spec: dict[str, Any] = {
-        "method": "dflash" if name == "chain" else "ddtree",
+        "method": "dflash" if name in ("chain", "vllmchain") else "ddtree",
         "model": str(drafter),
         "num_speculative_tokens": int(number),
     }
@@ -198,7 +199,8 @@ def run_config(pair: str, config: str, series: str, args: argparse.Namespace, gp
     start = time.time()
     try:
         served = server_args(pair, config, gpu, series == "tuned", trace_dir)
-        with openai_server(served, timeout_s=1200, log_path=str(log)) as url:
+        no_plugins = {"VLLM_PLUGINS": ""} if config.startswith("vllmchain") else None
+        with openai_server(served, env=no_plugins, timeout_s=1200, log_path=str(log)) as url:
             record["startup_s"] = round(time.time() - start, 1)
             for c in args.concurrency:
                 cell = measure_concurrency(url, pair, dataset, size, c, args, workdir)
@@ -217,11 +219,16 @@ def run_config(pair: str, config: str, series: str, args: argparse.Namespace, gp
     return record
 
 
+def is_baseline(config: str) -> bool:
+    """No speculation and vLLM's chain: what ddtree is measured against."""
+    return config == "nospec" or config.startswith(("chain", "vllmchain"))
+
+
 def best_baseline(records: list[dict[str, Any]], pair: str, series: str) -> dict[int, float]:
     """max(chain, no speculation) per concurrency: what ddtree must beat."""
     best: dict[int, float] = {}
     for r in records:
-        if r["pair"] == pair and r["series"] == series and (r["config"] == "nospec" or r["config"].startswith("chain")):
+        if r["pair"] == pair and r["series"] == series and is_baseline(r["config"]):
             for cell in r["cells"]:
                 best[cell["concurrency"]] = max(best.get(cell["concurrency"], 0.0), cell["median_tok_s"])
     return best
@@ -241,7 +248,7 @@ def table(records: list[dict[str, Any]], concurrency: list[int]) -> str:
                 out.append("—")
                 continue
             text = f"{cell['median_tok_s']:,.0f}"
-            if not (r["config"] == "nospec" or r["config"].startswith("chain")) and best.get(c):
+            if not is_baseline(r["config"]) and best.get(c):
                 text += f" ({cell['median_tok_s'] / best[c]:.2f}×)"
             out.append(text)
         lines.append(f"| {r['pair']} | {r['series']} | {r['config']} | {' | '.join(out)} |")

@@ -18,7 +18,8 @@
 #                config's five concurrencies take ~10 min with compile): MLA no spec, V2 chain k=7,
 #                ddtree adaptive 63, ddtree 15 fixed; then GQA chain, adaptive 63, no spec (merge with --merge)
 #   serve-profile  the MLA pair under vLLM's default serving config at concurrency 1 4 16, with one profiled pass at
-#                16 (bench/trace_summary.py): ddtree 15 fixed, V2 chain k=7, ddtree adaptive 15, no spec
+#                16 (bench/trace_summary.py): ddtree 15 fixed, V2 chain k=7 (with and without this plugin loaded),
+#                ddtree adaptive 15, no spec
 #   recheck      the GPU tests of the V2 host trims (context K/V + combine graphs, e2e GQA, MLA matches-target) and
 #                of the MLA query pack, then its bench (one lane)
 #   profile      Kimi-K2-attention MLA, budgets 8 16, 32k, batch 1: a torch.profiler table per config (V2 chain, ddtree)
@@ -73,7 +74,7 @@ jobs_of() {
       done ;;
     serve-profile)
       local c
-      for c in ddtree-15 chain-7 adaptive-15 nospec; do
+      for c in ddtree-15 chain-7 vllmchain-7 adaptive-15 nospec; do
         echo "0 profile_mla_$c bench/serve_sweep.py --pairs mla --configs $c --concurrency 1 4 16 --profile-at 16" \
              "--logs $r/serve_logs --out $r/sweep_mla_$c.json"
       done ;;
