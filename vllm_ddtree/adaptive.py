@@ -273,6 +273,14 @@ class AdaptiveBudget:
         self._recent: Counter[int] = Counter()
         self._logged_at = time.monotonic()
 
+    def record(self, accepted_nodes: torch.Tensor, num_verified: torch.Tensor) -> None:
+        """A verify step's accepted paths into the acceptance counts (``AcceptanceStats.record``), once the policy
+        has chosen a step: steps before that are the engine's warm-up (Model Runner V2's ``warmup_kernels`` runs a
+        decode step of every request slot with dummy drafts after graph capture), whose near-zero acceptance over
+        ``max_num_seqs`` rows would otherwise outweigh the first hundreds of served steps."""
+        if self._choices:
+            self.stats.record(accepted_nodes, num_verified)
+
     def expected_accepted(self, k: int, seen: dict[int, float]) -> float:
         """E[accepted drafts | budget k]: what steps showed, else the optimistic bound (every node of a chain)."""
         if k == 0:

@@ -185,3 +185,16 @@ def test_dynamic_sd_table_is_a_valid_vllm_schedule() -> None:
     table = dynamic_sd_table((0, 1, 3, 7, 15))
     lookup = build_dynamic_sd_schedule_lookup(table, vllm_max_batch_size=256, vllm_num_speculative_tokens=15)
     assert sorted({k for _, _, k in table}) == [0, 1, 3, 7, 15] and len(lookup) == 257
+
+
+def test_steps_before_the_first_choice_are_not_counted() -> None:
+    """The engine's warm-up verifies dummy drafts (Model Runner V2: every request slot after graph capture) before
+    the scheduler asks the policy anything; only served steps count."""
+    costs = StepCosts({k: {1: 1.0} for k in (0, 1, 3, 7)})
+    policy = AdaptiveBudget((0, 1, 3, 7), costs, AcceptanceStats((0, 1, 3, 7), torch.device("cpu")), max_depth=3)
+    warmup = torch.tensor([[0, -1, -1, -1]]).repeat(1024, 1)
+    policy.record(warmup, torch.full((1024,), 7))
+    assert policy.stats.expected() == {}
+    policy.choose(1)
+    policy.record(torch.tensor([[0, 1, 2, 3]]), torch.tensor([7]))
+    assert policy.stats.expected() == {1: 1.0, 3: 3.0, 7: 3.0}

@@ -87,7 +87,7 @@ class DDTreeRejectionSamplerV1(RejectionSampler):
         )
         self._compact(paths, batch)
         if self.state.adaptive is not None:
-            self.state.adaptive.stats.record(paths.accepted_nodes, num_drafts)
+            self.state.adaptive.record(paths.accepted_nodes, num_drafts)
         depth = torch.arange(paths.accepted_nodes.shape[1], device=device)
         off_chain = ((paths.accepted_nodes != depth) & (depth <= paths.num_accepted[:, None])).any(dim=1)
         self.state.counters["off_chain_paths"] += int(off_chain.sum())  # V1 runs on the CPU: no device sync

@@ -102,7 +102,7 @@ class DDTreeRejectionSampler(RejectionSamplerV2):
         )
         if self._step.adaptive is not None:
             num_verified = input_batch.cu_num_logits[1:] - input_batch.cu_num_logits[:-1] - 1
-            self._step.adaptive.stats.record(paths.accepted_nodes, num_verified[: paths.accepted_nodes.shape[0]])
+            self._step.adaptive.record(paths.accepted_nodes, num_verified[: paths.accepted_nodes.shape[0]])
         self._step.pending_paths = paths
         return SamplerOutputV2(
             sampled_token_ids=sampled,
