@@ -274,11 +274,17 @@ class AdaptiveBudget:
         self._logged_at = time.monotonic()
 
     def record(self, accepted_nodes: torch.Tensor, num_verified: torch.Tensor) -> None:
-        """A verify step's accepted paths into the acceptance counts (``AcceptanceStats.record``), once the policy
-        has chosen a step: steps before that are the engine's warm-up (Model Runner V2's ``warmup_kernels`` runs a
-        decode step of every request slot with dummy drafts after graph capture), whose near-zero acceptance over
-        ``max_num_seqs`` rows would otherwise outweigh the first hundreds of served steps."""
-        if self._choices:
+        """A verify step's accepted paths into the acceptance counts (``AcceptanceStats.record``), only while the
+        policy speculates:
+
+        * before its first choice the steps are the engine's warm-up (Model Runner V2's ``warmup_kernels`` runs a
+          decode step of every request slot with dummy drafts after graph capture), whose near-zero acceptance
+          over ``max_num_seqs`` rows would outweigh the first hundreds of served steps;
+        * while it does not speculate, the trees of its exploration bursts are drafted from contexts with holes
+          (steps without drafts skip the drafter pass), so they accept less than trees would once speculating:
+          counted, they would keep the policy from ever switching back. The estimate from the last speculating
+          period stands instead, and the cost side (the load) decides the switch."""
+        if self._choices and self._mode != 0:
             self.stats.record(accepted_nodes, num_verified)
 
     def expected_accepted(self, k: int, seen: dict[int, float]) -> float:

@@ -198,3 +198,17 @@ def test_steps_before_the_first_choice_are_not_counted() -> None:
     policy.choose(1)
     policy.record(torch.tensor([[0, 1, 2, 3]]), torch.tensor([7]))
     assert policy.stats.expected() == {1: 1.0, 3: 3.0, 7: 3.0}
+
+
+def test_trees_explored_while_not_speculating_are_not_counted() -> None:
+    """Steps without drafts leave holes in the drafter's context, so the trees of a burst explored from there accept
+    less than they would once speculating: the estimate of the last speculating period stands."""
+    policy = _explored(_policy(), 64)
+    assert policy.choose(64) == 0
+    before = policy.stats.expected()
+    policy.record(torch.tensor([[0, -1, -1, -1]]).repeat(8, 1), torch.full((8,), 7))
+    assert policy.stats.expected() == before
+    choices = [policy.choose(1) for _ in range(MODE_DWELL + 1)]  # alone again: speculation pays, after the dwell
+    assert choices[-1] == 7
+    policy.record(torch.tensor([[0, -1, -1, -1]]).repeat(8, 1), torch.full((8,), 7))
+    assert policy.stats.expected()[7] < before[7]
