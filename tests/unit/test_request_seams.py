@@ -1,5 +1,5 @@
 """Client input vLLM 0.26 answers with a 500 (with or without speculative decoding): the seams that answer it with a
-400 (a body that is JSON but not an object)."""
+400 (a body that is JSON but not an object) or serve it (a choice with a line break)."""
 
 from __future__ import annotations
 
@@ -74,3 +74,25 @@ def test_bodies_that_are_json_but_not_objects_are_a_400() -> None:
     assert served == 501, answers[7]
     assert (malformed, empty, plain) == (400, 400, 400)
     assert "JSON decode error" in decode and "Field required" in missing and "Unsupported Media Type" in media
+
+
+def test_a_choice_with_line_breaks_stays_on_xgrammar() -> None:
+    """vLLM's choice grammar with the line breaks escaped: xgrammar compiles it (so "auto" keeps the request on the
+    engine's xgrammar backend) and accepts exactly the choices, quotes and backslashes included."""
+    import xgrammar as xgr
+    from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+    from vllm.v1.structured_output import backend_xgrammar
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from vllm_ddtree.patches import structured_outputs
+
+    structured_outputs.apply()
+    choices = ["a\nb", "c\r\nd", 'say "hi"\n', "back\\n", "é 🙂"]
+    grammar = xgr.Grammar.from_ebnf(backend_xgrammar.choice_as_grammar(choices))
+    for text in choices:
+        assert _is_grammar_accept_string(grammar, text), text
+    for text in ["ab", "a\\nb", "back\n", "c\nd"]:
+        assert not _is_grammar_accept_string(grammar, text), text
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["a\nb", "c"]))
+    backend_xgrammar.validate_xgrammar_grammar(params)  # vLLM's check, which raised and sent "auto" to guidance
+    assert params.structured_outputs.choice is None and params.structured_outputs.grammar
