@@ -1,11 +1,20 @@
 """Client input vLLM 0.26 answers with a 500 (with or without speculative decoding): the seams that answer it with a
-400 (a body that is JSON but not an object) or serve it (a choice with a line break)."""
+400 (a body that is JSON but not an object) or serve it (a choice with a line break, a grammar whose end
+``ignore_eos`` or ``min_tokens`` would outlast, a grammar no allowed token satisfies)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+TARGET = Path(__file__).resolve().parents[2] / "models" / "stdlib-qwen3-tiny"
+EOS = 0
 
 # As the API server does it: ``api_server`` (and the SageMaker router with it) imported, then the plugin, then the
 # routers built by ``build_app``; vLLM's own exception handlers answer.
@@ -96,3 +105,116 @@ def test_a_choice_with_line_breaks_stays_on_xgrammar() -> None:
     params = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["a\nb", "c"]))
     backend_xgrammar.validate_xgrammar_grammar(params)  # vLLM's check, which raised and sent "auto" to guidance
     assert params.structured_outputs.choice is None and params.structured_outputs.grammar
+
+
+@pytest.fixture(scope="module")
+def compiler() -> Any:
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(TARGET))
+    assert tokenizer.convert_tokens_to_ids(tokenizer.eos_token) == EOS
+    return SimpleNamespace(
+        tokenizer=tokenizer, xgr=xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=4096))
+    )
+
+
+def _ids(compiler: Any, text: str) -> list[int]:
+    return compiler.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _request(compiler: Any, regex: str, reasoning: bool = False, **params: Any) -> Any:
+    """A real engine-core request with a compiled xgrammar grammar, as the scheduler holds it mid-generation."""
+    import xgrammar as xgr
+    from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+    from vllm.v1.request import Request, RequestStatus
+    from vllm.v1.structured_output.backend_xgrammar import XgrammarGrammar
+
+    sampling = SamplingParams(structured_outputs=StructuredOutputsParams(regex=regex), **params)
+    sampling.update_from_generation_config({}, EOS)
+    request = Request("req", [5, 6, 7], sampling, None)
+    request.status = RequestStatus.RUNNING
+    ctx = compiler.xgr.compile_regex(regex)
+    grammar = XgrammarGrammar(matcher=xgr.GrammarMatcher(ctx), vocab_size=4096, ctx=ctx)
+    request.structured_output_request.grammar = grammar
+    request.structured_output_request.reasoning_ended = None if reasoning else True
+    return request
+
+
+def _scheduler(reasoning: bool = False) -> Any:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from vllm_ddtree.patches import structured_outputs
+
+    structured_outputs.apply()
+    scheduler = object.__new__(Scheduler)
+    scheduler.max_model_len = 512
+    scheduler.structured_output_manager = SimpleNamespace(
+        reasoner_cls=object if reasoning else None, enable_in_reasoning=False
+    )
+    return scheduler
+
+
+def _step(scheduler: Any, request: Any, tokens: list[int]) -> tuple[list[int], bool]:
+    """The scheduler's update for one step: append and check stop, then advance the grammar as vLLM does (where a
+    rejection ended the request with FINISHED_ERROR)."""
+    kept, stopped = scheduler._update_request_with_output(request, list(tokens))
+    grammar = request.structured_output_request.grammar
+    assert not kept or grammar.accept_tokens(request.request_id, kept), "the grammar rejects the tokens kept"
+    return kept, stopped
+
+
+def test_a_finished_grammar_ends_its_request_under_ignore_eos_and_min_tokens(compiler: Any) -> None:
+    """Once the grammar has accepted EOS, ``ignore_eos`` or an unmet ``min_tokens`` no longer keep the request going:
+    a step's tokens after the grammar's end are dropped and the request stops (vLLM ended it with an error)."""
+    from vllm.v1.request import RequestStatus
+
+    yes, junk = _ids(compiler, "yes"), _ids(compiler, " import")[:1]
+    for params in ({"ignore_eos": True}, {"min_tokens": 9}):
+        scheduler = _scheduler()
+        request = _request(compiler, "(yes|no)", max_tokens=48, **params)
+        assert _step(scheduler, request, [*yes, EOS, *junk]) == ([*yes, EOS], True), params
+        assert request.status == RequestStatus.FINISHED_STOPPED and request.stop_reason is None
+        assert list(request.output_token_ids) == [*yes, EOS]
+        assert request.structured_output_request.grammar.is_terminated()
+        # The grammar ends on a step's last token: the next step (sampled unconstrained) is dropped whole.
+        request = _request(compiler, "(yes|no)", max_tokens=48, **params)
+        assert _step(scheduler, request, [*yes, EOS]) == ([*yes, EOS], False)
+        assert _step(scheduler, request, junk) == ([], True)
+        assert request.status == RequestStatus.FINISHED_STOPPED and list(request.output_token_ids) == [*yes, EOS]
+
+
+def test_a_grammar_no_token_satisfies_ends_its_request(compiler: Any) -> None:
+    """Where another mask leaves the grammar nothing (allowed_token_ids disjoint from it, min_tokens hiding the EOS it
+    needs) the sampler emits an arbitrary token: the request stops before it, with what the grammar accepted."""
+    from vllm.v1.request import RequestStatus
+
+    scheduler = _scheduler()
+    request = _request(compiler, "[0-9]{1,4}", max_tokens=8, allowed_token_ids=[5, 6])
+    assert _step(scheduler, request, [EOS]) == ([], True)
+    assert request.status == RequestStatus.FINISHED_STOPPED and list(request.output_token_ids) == []
+    maybe = _ids(compiler, "maybe")
+    request = _request(compiler, "(maybe|no)", max_tokens=20, min_tokens=9)
+    assert _step(scheduler, request, maybe) == (maybe, False)
+    assert _step(scheduler, request, _ids(compiler, "x")) == ([], True)
+    assert list(request.output_token_ids) == maybe
+
+
+def test_tokens_the_grammar_accepts_keep_vllms_stop_rules(compiler: Any) -> None:
+    """A step the grammar accepts whole is vLLM's (stopping at max_tokens or EOS as before); so is a grammar still in
+    reasoning, which the scheduler does not advance."""
+    from vllm.v1.request import RequestStatus
+
+    scheduler = _scheduler()
+    digits = _ids(compiler, "1234")
+    request = _request(compiler, "[0-9]{1,4}", max_tokens=1)
+    assert _step(scheduler, request, digits[:1]) == (digits[:1], True)
+    assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    request = _request(compiler, "[0-9]{1,4}", max_tokens=8)
+    assert _step(scheduler, request, [*digits[:1], EOS]) == ([*digits[:1], EOS], True)
+    assert request.status == RequestStatus.FINISHED_STOPPED
+    thinking = _scheduler(reasoning=True)
+    request = _request(compiler, "[0-9]{1,4}", reasoning=True, max_tokens=8)
+    words = _ids(compiler, "let me think")
+    assert thinking._update_request_with_output(request, list(words)) == (words, False)
+    assert request.status == RequestStatus.RUNNING

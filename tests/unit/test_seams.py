@@ -21,6 +21,7 @@ EXPECTED_SEAMS = {
     "vllm.entrypoints.serve.utils.api_utils.validate_json_request",
     "vllm.entrypoints.serve.sagemaker.api_router.validate_json_request",
     "vllm.v1.structured_output.backend_xgrammar.choice_as_grammar",
+    "vllm.v1.core.sched.scheduler.Scheduler._update_request_with_output",
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner.__init__",
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner._prepare_inputs",
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner._bookkeeping_sync",

@@ -7,9 +7,20 @@
   structured request: after any xgrammar request the engine got a choice its xgrammar backend cannot compile and the
   request ended in an internal error. Line breaks are written as ``\\n`` and ``\\r``, which xgrammar reads back as the
   same characters, so the choice stays on xgrammar.
+* ``Scheduler._update_request_with_output`` (the engine core): after it, the scheduler advances a request's grammar by
+  the step's tokens and ends the request with FINISHED_ERROR (a 500) when the grammar rejects one. Under the grammar's
+  bitmask that happens only when no token could satisfy the request: once the grammar has accepted EOS, ``ignore_eos``
+  or an unmet ``min_tokens`` keeps the request going and the next token, sampled unconstrained, is one the finished
+  grammar rejects; where the grammar and another mask leave every logit at -inf (``allowed_token_ids`` disjoint from
+  the grammar, ``min_tokens`` hiding the EOS the grammar needs) the sampler emits an arbitrary token. The step's
+  tokens are now cut to the prefix the grammar accepts and the request stops after it (finish reason "stop", as at
+  EOS): a finished grammar ends its request, and one that cannot go on ends with what its grammar accepted, never with
+  a token the grammar rejects.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from vllm_ddtree.patches import patch_attr
 
@@ -25,8 +36,47 @@ def choice_as_grammar(choice: list[str]) -> str:
     return backend_xgrammar._orig_choice_as_grammar(choice).translate(_EBNF_LINE_BREAKS)
 
 
+def _accepted_prefix(scheduler: Any, request: Any, new_token_ids: list[int]) -> int | None:
+    """How many of the step's tokens the request's grammar accepts, when it rejects any (else None).
+
+    Only where the scheduler will advance the grammar by exactly these tokens: no reasoning parser, or reasoning
+    constrained too, or reasoning that ended before this step (``should_advance`` is not called here, since it
+    records reasoning ends as it looks)."""
+    from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
+
+    structured = request.structured_output_request
+    if not new_token_ids or structured is None:
+        return None
+    manager = scheduler.structured_output_manager
+    if manager.reasoner_cls is not None and not manager.enable_in_reasoning:
+        if not structured.reasoning_ended or structured.reasoning_end_token_index is not None:
+            return None
+    grammar = structured.grammar
+    if not isinstance(grammar, StructuredOutputGrammar):
+        return None
+    accepted = len(grammar.validate_tokens(new_token_ids))  # leaves the grammar where it was
+    return accepted if accepted < len(new_token_ids) else None
+
+
+def _update_request_with_output(self: Any, request: Any, new_token_ids: list[int]) -> tuple[list[int], bool]:
+    """vLLM's append-and-check-stop over the tokens the grammar accepts; a request whose grammar rejects the rest
+    stops after those (its grammar is finished, or nothing could satisfy it), instead of failing in the scheduler."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import RequestStatus
+
+    accepted = _accepted_prefix(self, request, new_token_ids)
+    if accepted is None:
+        return Scheduler._orig__update_request_with_output(self, request, new_token_ids)
+    kept, stopped = Scheduler._orig__update_request_with_output(self, request, new_token_ids[:accepted])
+    if not stopped:
+        request.status = RequestStatus.FINISHED_STOPPED
+    return kept, True
+
+
 def apply() -> None:
     """Install the structured-output seams (idempotent; each is inert in the processes that do not run it)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import backend_xgrammar
 
     patch_attr(backend_xgrammar, "choice_as_grammar", choice_as_grammar)
+    patch_attr(Scheduler, "_update_request_with_output", _update_request_with_output)
