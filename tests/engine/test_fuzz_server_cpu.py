@@ -1224,11 +1224,11 @@ def test_known_5xx_bodies(
     - A grammar whose tokens ``allowed_token_ids`` all masks: every logit is -inf, the sampler emits token 0, the
       grammar rejects it ("Unexpected: grammar rejected tokens [0]") and the request ends in an internal error.
 
-      Fix for these three: ``Scheduler._update_request_with_output`` keeps the prefix of the step's tokens that the
-      grammar accepts and stops the request there (finish reason "stop") when it rejects the rest, so a finished
-      grammar ends its request whatever ``ignore_eos`` and ``min_tokens`` say (a 200 with the structured text), and
-      a request no token can satisfy ends with what the grammar accepted (here an empty text) instead of an error
-      (``patches/structured_outputs.py``)."""
+      Fix for these three: ``Scheduler._update_request_with_output`` keeps the step's tokens up to where the grammar
+      ends them and stops the request there: after the EOS that completes the grammar, whatever ``ignore_eos`` and
+      ``min_tokens`` say (finish reason "stop": a 200 with the structured text), or before the first token the
+      grammar rejects (finish reason "length", with the text the grammar accepted, here an empty one), instead of an
+      error (``patches/structured_outputs.py``)."""
     for i, first in enumerate(before):
         (res,) = _send_batch(run.url, [Case(path, first)], 10 + i)
         assert res.status == 200, res.text

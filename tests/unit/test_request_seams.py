@@ -164,40 +164,41 @@ def _step(scheduler: Any, request: Any, tokens: list[int]) -> tuple[list[int], b
     return kept, stopped
 
 
-def test_a_finished_grammar_ends_its_request_under_ignore_eos_and_min_tokens(compiler: Any) -> None:
-    """Once the grammar has accepted EOS, ``ignore_eos`` or an unmet ``min_tokens`` no longer keep the request going:
-    a step's tokens after the grammar's end are dropped and the request stops (vLLM ended it with an error)."""
+def test_a_complete_grammar_ends_its_request_under_ignore_eos_and_min_tokens(compiler: Any) -> None:
+    """The EOS that completes the grammar ends the request ("stop", the EOS last, as the detokenizer expects of a
+    stop) even where ``ignore_eos`` or an unmet ``min_tokens`` would go on; tokens after it in the step are dropped
+    (vLLM went on and failed the request when the finished grammar rejected the next token)."""
     from vllm.v1.request import RequestStatus
 
     yes, junk = _ids(compiler, "yes"), _ids(compiler, " import")[:1]
     for params in ({"ignore_eos": True}, {"min_tokens": 9}):
         scheduler = _scheduler()
-        request = _request(compiler, "(yes|no)", max_tokens=48, **params)
-        assert _step(scheduler, request, [*yes, EOS, *junk]) == ([*yes, EOS], True), params
-        assert request.status == RequestStatus.FINISHED_STOPPED and request.stop_reason is None
-        assert list(request.output_token_ids) == [*yes, EOS]
-        assert request.structured_output_request.grammar.is_terminated()
-        # The grammar ends on a step's last token: the next step (sampled unconstrained) is dropped whole.
-        request = _request(compiler, "(yes|no)", max_tokens=48, **params)
-        assert _step(scheduler, request, [*yes, EOS]) == ([*yes, EOS], False)
-        assert _step(scheduler, request, junk) == ([], True)
-        assert request.status == RequestStatus.FINISHED_STOPPED and list(request.output_token_ids) == [*yes, EOS]
+        for step in ([*yes, EOS, *junk], [*yes, EOS]):
+            request = _request(compiler, "(yes|no)", max_tokens=48, **params)
+            assert _step(scheduler, request, step) == ([*yes, EOS], True), (params, step)
+            assert request.status == RequestStatus.FINISHED_STOPPED and request.stop_reason is None
+            assert list(request.output_token_ids) == [*yes, EOS]
+            assert request.structured_output_request.grammar.is_terminated()
 
 
 def test_a_grammar_no_token_satisfies_ends_its_request(compiler: Any) -> None:
     """Where another mask leaves the grammar nothing (allowed_token_ids disjoint from it, min_tokens hiding the EOS it
-    needs) the sampler emits an arbitrary token: the request stops before it, with what the grammar accepted."""
+    needs) the sampler emits an arbitrary token: the request stops before it ("length"), with what the grammar
+    accepted, whether the dead end comes at the first token, later in a step or at the start of one."""
     from vllm.v1.request import RequestStatus
 
     scheduler = _scheduler()
     request = _request(compiler, "[0-9]{1,4}", max_tokens=8, allowed_token_ids=[5, 6])
     assert _step(scheduler, request, [EOS]) == ([], True)
-    assert request.status == RequestStatus.FINISHED_STOPPED and list(request.output_token_ids) == []
-    maybe = _ids(compiler, "maybe")
+    assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED and list(request.output_token_ids) == []
+    maybe, x = _ids(compiler, "maybe"), _ids(compiler, "x")
+    request = _request(compiler, "(maybe|no)", max_tokens=20, min_tokens=9)
+    assert _step(scheduler, request, [*maybe, *x]) == (maybe, True)
+    assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED and list(request.output_token_ids) == maybe
     request = _request(compiler, "(maybe|no)", max_tokens=20, min_tokens=9)
     assert _step(scheduler, request, maybe) == (maybe, False)
-    assert _step(scheduler, request, _ids(compiler, "x")) == ([], True)
-    assert list(request.output_token_ids) == maybe
+    assert _step(scheduler, request, x) == ([], True)
+    assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED and list(request.output_token_ids) == maybe
 
 
 def test_tokens_the_grammar_accepts_keep_vllms_stop_rules(compiler: Any) -> None:

@@ -13,9 +13,10 @@
   or an unmet ``min_tokens`` keeps the request going and the next token, sampled unconstrained, is one the finished
   grammar rejects; where the grammar and another mask leave every logit at -inf (``allowed_token_ids`` disjoint from
   the grammar, ``min_tokens`` hiding the EOS the grammar needs) the sampler emits an arbitrary token. The step's
-  tokens are now cut to the prefix the grammar accepts and the request stops after it (finish reason "stop", as at
-  EOS): a finished grammar ends its request, and one that cannot go on ends with what its grammar accepted, never with
-  a token the grammar rejects.
+  tokens are now cut where the grammar ends them, and the request stops there: after a stop token the grammar accepted
+  (its end: finish reason "stop", as at EOS), or before the first token it rejects (a dead end: finish reason
+  "length", with the text the grammar accepted). A complete grammar thus ends its request whatever ``ignore_eos`` and
+  ``min_tokens`` say, and no answer holds a token its grammar rejects.
 """
 
 from __future__ import annotations
@@ -36,12 +37,18 @@ def choice_as_grammar(choice: list[str]) -> str:
     return backend_xgrammar._orig_choice_as_grammar(choice).translate(_EBNF_LINE_BREAKS)
 
 
-def _accepted_prefix(scheduler: Any, request: Any, new_token_ids: list[int]) -> int | None:
-    """How many of the step's tokens the request's grammar accepts, when it rejects any (else None).
+def _grammar_cut(scheduler: Any, request: Any, new_token_ids: list[int]) -> tuple[int, Any] | None:
+    """Where the request's grammar ends the step's tokens, and the status the request then stops with; None where
+    the grammar takes them all and none ends it.
 
-    Only where the scheduler will advance the grammar by exactly these tokens: no reasoning parser, or reasoning
-    constrained too, or reasoning that ended before this step (``should_advance`` is not called here, since it
-    records reasoning ends as it looks)."""
+    A stop token the grammar accepts (EOS, which xgrammar accepts only where the grammar is complete) ends it there:
+    FINISHED_STOPPED, as at a plain EOS, so the detokenizer leaves that last token out of the text. A token the
+    grammar rejects with no such end before it is a dead end: the request stops with FINISHED_LENGTH_CAPPED after
+    the tokens the grammar accepted (with "stop", the detokenizer would drop the last of them as a stop token).
+    Looked at only where the scheduler will advance the grammar by exactly these tokens: no reasoning parser,
+    reasoning constrained too, or reasoning that ended before this step (``should_advance`` is not called here,
+    since it records reasoning ends as it looks)."""
+    from vllm.v1.request import RequestStatus
     from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
 
     structured = request.structured_output_request
@@ -55,21 +62,27 @@ def _accepted_prefix(scheduler: Any, request: Any, new_token_ids: list[int]) -> 
     if not isinstance(grammar, StructuredOutputGrammar):
         return None
     accepted = len(grammar.validate_tokens(new_token_ids))  # leaves the grammar where it was
-    return accepted if accepted < len(new_token_ids) else None
+    stops = request.sampling_params.all_stop_token_ids  # EOS even under ignore_eos
+    for i in range(accepted):
+        if new_token_ids[i] in stops:
+            return i + 1, RequestStatus.FINISHED_STOPPED
+    if accepted < len(new_token_ids):
+        return accepted, RequestStatus.FINISHED_LENGTH_CAPPED
+    return None
 
 
 def _update_request_with_output(self: Any, request: Any, new_token_ids: list[int]) -> tuple[list[int], bool]:
-    """vLLM's append-and-check-stop over the tokens the grammar accepts; a request whose grammar rejects the rest
-    stops after those (its grammar is finished, or nothing could satisfy it), instead of failing in the scheduler."""
+    """vLLM's append-and-check-stop over the step's tokens up to where the grammar ends them; the request stops
+    there (its grammar is complete, or nothing could satisfy it) instead of failing in the scheduler."""
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.request import RequestStatus
 
-    accepted = _accepted_prefix(self, request, new_token_ids)
-    if accepted is None:
+    cut = _grammar_cut(self, request, new_token_ids)
+    if cut is None:
         return Scheduler._orig__update_request_with_output(self, request, new_token_ids)
-    kept, stopped = Scheduler._orig__update_request_with_output(self, request, new_token_ids[:accepted])
-    if not stopped:
-        request.status = RequestStatus.FINISHED_STOPPED
+    keep, status = cut
+    kept, stopped = Scheduler._orig__update_request_with_output(self, request, new_token_ids[:keep])
+    if not stopped:  # vLLM's own rules did not end it first (ignore_eos, min_tokens, a dead end)
+        request.status = status
     return kept, True
 
 
