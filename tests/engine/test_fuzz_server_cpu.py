@@ -32,10 +32,10 @@ Documented vLLM 0.26 behaviour this suite asserts (not DDTree's choices):
 
 vLLM 0.26 bugs this fuzz found (none in DDTree; each reproduces without speculative decoding, or with vLLM's own
 DFlash method) have their own tests (``KNOWN_5XX``, ``test_allowed_token_ids_stay_with_their_request``,
-``test_prompt_token_id_equal_to_vocab_size_is_refused``), which the plugin's seams now pass, and the random plan
-avoids their triggers so that it keeps finding new problems: no allowed_token_ids (``ALLOWED_IN_PLAN``), no
-``logprob_token_ids``, no ignore_eos or min_tokens beside a grammar, no newline inside a choice, no non-object JSON
-body, no prompt id equal to the vocab size.
+``test_prompt_token_id_equal_to_vocab_size_is_refused``), which the plugin's seams now pass. The random plan still
+avoids the triggers of some so that it keeps finding new problems: no allowed_token_ids (``ALLOWED_IN_PLAN``), no
+``logprob_token_ids``, no prompt id equal to the vocab size; it does send ignore_eos and min_tokens beside a grammar,
+newlines inside a choice and non-object JSON bodies.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ SNIPPETS = [
 ]
 STOP_STRINGS = ["\n", "def", "(", "):", "return", "self", "  ", "import", "x", '"', "\n\n"]
 BAD_WORDS = ["self", "import", "def", "return", " (", "os", "the", "x", "None"]
-WORDS = ["yes", "no", "maybe", "alpha", "beta", "def", "  ", "a b", "42", "λ"]  # no "\n": KNOWN_5XX
+WORDS = ["yes", "no", "maybe", "alpha", "beta", "def", "  ", "a b", "42", "λ", "x\ny"]
 # vLLM 0.26's allowed_token_ids mask leaks between batch rows (test_allowed_token_ids_stay_with_their_request): while
 # that holds, allowed_token_ids in the random plan would make unrelated greedy requests fail and hide new problems.
 ALLOWED_IN_PLAN = False
@@ -347,9 +347,6 @@ def _valid_case(rng: random.Random, tok: Tok, plain: bool, long_left: list[int],
             case.structured = True
             case.checks.add(check)
             case.checks.add(f"arg:{json.dumps(arg)}")
-            # KNOWN_5XX: vLLM samples past the grammar's end with ignore_eos, and min_tokens can outlast it.
-            body.pop("ignore_eos", None)
-            body.pop("min_tokens", None)
         if rng.random() < 0.05:
             body["repetition_detection"] = {"max_pattern_size": 4, "min_count": 3}
         if not chat and rng.random() < 0.05 and plen > 4:
@@ -450,6 +447,8 @@ INVALID_RAW = [
     ("not JSON", "prompt=hello"),
     ("NaN temperature", '{"model": "tiny", "prompt": "x", "max_tokens": 2, "temperature": NaN}'),
     ("empty body", ""),
+    ("JSON array body", '[{"model": "tiny", "prompt": "x"}]'),
+    ("JSON number body", "5"),
 ]
 INVALID_CHAT: list[tuple[str, dict[str, Any]]] = [
     ("no messages", {"messages": []}),
@@ -937,7 +936,7 @@ def _check(run: Run, case: Case, res: Result) -> list[str]:
             elif tokens != ref_tokens:
                 problems.append(f"{where}: greedy tokens {tokens} != no-spec {ref_tokens}")
         # Structured outputs parse when the grammar ended the answer.
-        ended = finish == "stop" and ch.get("stop_reason") is None and not body.get("ignore_eos")
+        ended = finish == "stop" and ch.get("stop_reason") is None  # the grammar's end, ignore_eos or not
         if ended and not body.get("stop") and not stop_ids and "bad_words" not in body and case.stream != "disconnect":
             text = ch["text"]
             if "choice" in case.checks and text not in arg:
