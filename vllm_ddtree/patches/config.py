@@ -31,7 +31,7 @@ from vllm_ddtree.config import (
     resolve_ddtree_config,
     split_speculative_config,
 )
-from vllm_ddtree.patches import metrics, patch_attr, requests, scheduler
+from vllm_ddtree.patches import metrics, patch_attr, requests, scheduler, structured_outputs
 
 logger = logging.getLogger("vllm.ddtree")  # under "vllm": vLLM's log handlers print it
 
@@ -192,3 +192,4 @@ def apply() -> None:
     metrics.apply()
     requests.apply()
     scheduler.apply()
+    structured_outputs.apply()
