@@ -31,7 +31,7 @@
 #                paired and pinned, 9 alternating repeats
 #   divergence   bench/divergence.py: greedy divergence from the target and teacher-forced log-prob deviation of
 #                the dflash chain and ddtree, on generated GQA and MLA (8-128 heads, dense and MoE) targets; one job
-#                a config (6 bf16 V2 engines, no torch.compile: ~3-5 min), lanes alternating
+#                a config (6 bf16 V2 engines without torch.compile; not yet timed on the H200), lanes alternating
 #   jobs:FILE    the jobs listed in FILE, one per line: LANE NAME [K=V ...] ARGS... (runs python3 ARGS with those
 #                environment variables, e.g. VLLM_DDTREE_CSRC=DIR for a kernel A/B; $RESULTS expands; words split
 #                on blanks, so no quoted arguments)
