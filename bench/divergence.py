@@ -41,6 +41,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 import tempfile
 import time
@@ -232,12 +233,9 @@ def run_row(job: dict[str, Any]) -> dict[str, Any]:
     gpu = job["gpu"]
     spec = None
     if job["method"] != "none":
-        spec = {
-            "method": job["method"],
-            "model": job["drafter"],
-            "num_speculative_tokens": job["budget"],
-            "adaptive_budget": False,
-        }
+        spec = {"method": job["method"], "model": job["drafter"], "num_speculative_tokens": job["budget"]}
+    if job["method"] == "ddtree":
+        spec["adaptive_budget"] = False  # every step verifies the whole budget
     engine = dict(
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=job["batch"],
@@ -363,9 +361,10 @@ def _fmt(value: float | None) -> str:
 
 
 def _cells(row: Mapping[str, Any], prompts: int) -> str:
-    if "error" in row:
+    if "error" in row:  # the last exception line of the child's stderr, else its last line
         lines = [line for line in row["error"].splitlines() if line.strip()]
-        return "error: " + (lines[-1][:100] if lines else "")
+        raised = [line for line in lines if re.match(r"[\w.]*(Error|Exception)\b", line)]
+        return "error: " + (raised or lines or [""])[-1][:100]
     if row["method"] == "none":
         return f"reference ({row['runner']})"
     return f"{row['divergent']}/{prompts} | {_fmt(row['dlogprob_p99'])} | {_fmt(row['dlogprob_max'])}"

@@ -68,7 +68,12 @@ def test_table_has_a_line_per_row_and_the_error_of_a_failed_one() -> None:
         {"config": "c", "method": "none", "budget": 0, "runner": "V1"},
         {"config": "c", "method": "ddtree", "budget": 7, "divergent": 0, "dlogprob_p99": 1e-6, "dlogprob_max": 2e-6}
         | {"mean_acceptance_length": 1.5, "runner": "V1"},
-        {"config": "c", "method": "dflash", "budget": 15, "error": "c dflash failed (rc 1):\nValueError: bad\n"},
+        {
+            "config": "c",
+            "method": "dflash",
+            "budget": 15,
+            "error": "c dflash failed (rc 1):\nValueError: bad\n  see docs\n",
+        },
     ]
     lines = divergence.table(rows, prompts=24).splitlines()
     assert len(lines) == 5 and all(line.count("|") == 8 for line in lines)
