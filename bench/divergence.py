@@ -345,8 +345,10 @@ def run(args: argparse.Namespace, gpu: bool) -> None:
                     row["error"] = "no reference (its row failed)"
                 else:
                     job = dict(row, target=str(target), drafter=str(drafter), gpu=gpu, compilation=args.compilation)
-                    job.update(prompts=args.prompts, max_tokens=args.max_tokens, batch=args.batch)
-                    raw = _run_child(dict(job, logprobs=args.logprobs), env)
+                    job.update(
+                        prompts=args.prompts, max_tokens=args.max_tokens, batch=args.batch, logprobs=args.logprobs
+                    )
+                    raw = _run_child(job, env)
                     row.update({k: v for k, v in raw.items() if k not in RAW_OUTPUTS})
                     if "error" not in raw:
                         raw["logprobs"] = _as_dicts(raw["logprobs"])
