@@ -29,6 +29,9 @@
 #   offsets-wide the same at budgets 32 63
 #   v1-plain     MLA budgets 16 32 63, batch 1: vLLM's chain on V1 + TRITON_MLA as shipped (plugins off) and ddtree,
 #                paired and pinned, 9 alternating repeats
+#   divergence   bench/divergence.py: greedy divergence from the target and teacher-forced log-prob deviation of
+#                the dflash chain and ddtree, on generated GQA and MLA (8-128 heads, dense and MoE) targets; one job
+#                a config (6 bf16 V2 engines without torch.compile; not yet timed on the H200), lanes alternating
 #   jobs:FILE    the jobs listed in FILE, one per line: LANE NAME [K=V ...] ARGS... (runs python3 ARGS with those
 #                environment variables, e.g. VLLM_DDTREE_CSRC=DIR for a kernel A/B; $RESULTS expands; words split
 #                on blanks, so no quoted arguments)
@@ -103,11 +106,17 @@ jobs_of() {
     v1-plain)
       echo "0 step_v1_plain bench/step_time.py --target kimi-mla --configs dflash-v1-plain ddtree --budgets 16 32 63" \
            "--batches 1 --paired --pin --pair-chains dflash-v1-plain --repeats 9 --out $r/step_v1_plain_b1.json" ;;
+    divergence)
+      local c n=0
+      for c in gqa-h8kv2-l3 gqa-h16kv8-l2 mla-h8-dense-l2 mla-h16-moe-l3 mla-h32-dense-l4 mla-h64-moe-l4 \
+               mla-h128-moe-l2; do
+        echo "$((n++ % 2)) div_$c bench/divergence.py --configs $c --out $r/divergence_$c.json"
+      done ;;
     jobs:*)
       [ -f "${1#jobs:}" ] || { echo "no job file '${1#jobs:}'" >&2; return 2; }
       grep -v '^\s*\(#\|$\)' "${1#jobs:}" | sed "s|\$RESULTS|$r|g" ;;
     *) echo "unknown stage '$1': step-a, step-b, acceptance, ops, tests, recheck, profile, profile-b16, profile-4k, offsets, offsets-wide," \
-            "v1-plain" \
+            "v1-plain, divergence" \
             "or jobs:FILE" >&2; return 2 ;;
   esac
 }

@@ -38,6 +38,15 @@ def greedy_with_gaps(
     return tokens, gaps
 
 
+def first_divergence(got: Sequence[int], want: Sequence[int]) -> int | None:
+    """The first position where ``got`` leaves ``want`` (the shorter one's length if one is a prefix of the other),
+    None if they are equal."""
+    first = next((k for k, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None)
+    if first is None and len(got) != len(want):
+        first = min(len(got), len(want))
+    return first
+
+
 @dataclass
 class GreedyComparison:
     """How ``got`` compares with the reference ``want``, sequence by sequence."""
@@ -60,9 +69,7 @@ def compare_greedy(
     """Find each sequence's first divergence from the reference and classify it by the reference's gap there."""
     result = GreedyComparison()
     for i, (g, w, m) in enumerate(zip(got, want, gaps, strict=True)):
-        first = next((k for k, (a, b) in enumerate(zip(g, w, strict=False)) if a != b), None)
-        if first is None and len(g) != len(w):
-            first = min(len(g), len(w))
+        first = first_divergence(g, w)
         if first is None:
             result.identical += 1
         elif first < len(m) and m[first] < near_tie:

@@ -1,8 +1,9 @@
-"""Tiny Qwen3 target + DFlash drafter (+ tokenizer) written to disk with saved random weights, for engine tests and
-the smoke demo without a model hub.
+"""Tiny Qwen3 and DeepSeek-V3 (MLA) targets + DFlash drafter (+ tokenizer) written to disk with saved random
+weights, for engine tests, benches and the smoke demo without a model hub.
 
 Weights are random but *peaky* (large output-projection scale) so greedy decoding has clear winners: exact-equality
-tests on ``load_format="dummy"`` weights would compare near-ties. Everything is float32 and seeded.
+tests on ``load_format="dummy"`` weights would compare near-ties. Everything is float32 and seeded. The defaults are
+the tests' geometry; heads, layers and (MLA) MoE layers are parameters (``bench/divergence.py`` writes other ones).
 """
 
 from __future__ import annotations
@@ -29,13 +30,13 @@ FFN = 256
 MASK_TOKEN_ID = VOCAB - 1
 
 
-def _qwen3_keys(num_layers: int, hidden: int) -> dict:
+def _qwen3_keys(num_layers: int, hidden: int, heads: int = HEADS, kv_heads: int = KV_HEADS) -> dict:
     return {
         "hidden_size": hidden,
         "intermediate_size": FFN,
         "num_hidden_layers": num_layers,
-        "num_attention_heads": HEADS,
-        "num_key_value_heads": KV_HEADS,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
         "head_dim": HEAD_DIM,
         "vocab_size": VOCAB,
         "max_position_embeddings": 2048,
@@ -50,7 +51,14 @@ def _qwen3_keys(num_layers: int, hidden: int) -> dict:
     }
 
 
-def _rand(gen: torch.Generator) -> Callable[..., torch.Tensor]:
+# Draws seeded weights of a shape (``_rand``).
+Rand = Callable[..., torch.Tensor]
+# Writes one layer's attention (or MLP) weights under a name prefix, drawing them from a ``Rand``.
+AttentionWeights = Callable[[str, Rand], dict[str, torch.Tensor]]
+MlpWeights = Callable[[str, Rand], dict[str, torch.Tensor]]
+
+
+def _rand(gen: torch.Generator) -> Rand:
     """Seeded Gaussian weights scaled by ``1 / sqrt(fan_in)``."""
 
     def rand(*shape: int) -> torch.Tensor:
@@ -59,47 +67,74 @@ def _rand(gen: torch.Generator) -> Callable[..., torch.Tensor]:
     return rand
 
 
-def _qwen3_attention(prefix: str, rand: Callable[..., torch.Tensor]) -> dict[str, torch.Tensor]:
+def _qwen3_attention(heads: int = HEADS, kv_heads: int = KV_HEADS) -> AttentionWeights:
+    def attention(prefix: str, rand: Rand) -> dict[str, torch.Tensor]:
+        return {
+            f"{prefix}self_attn.q_proj.weight": rand(heads * HEAD_DIM, HIDDEN),
+            f"{prefix}self_attn.k_proj.weight": rand(kv_heads * HEAD_DIM, HIDDEN),
+            f"{prefix}self_attn.v_proj.weight": rand(kv_heads * HEAD_DIM, HIDDEN),
+            f"{prefix}self_attn.o_proj.weight": rand(HIDDEN, heads * HEAD_DIM),
+            f"{prefix}self_attn.q_norm.weight": torch.ones(HEAD_DIM),
+            f"{prefix}self_attn.k_norm.weight": torch.ones(HEAD_DIM),
+        }
+
+    return attention
+
+
+def _ffn(prefix: str, rand: Rand, width: int) -> dict[str, torch.Tensor]:
+    """A SiLU-gated feed-forward block of ``width`` under ``prefix``."""
     return {
-        f"{prefix}self_attn.q_proj.weight": rand(HEADS * HEAD_DIM, HIDDEN),
-        f"{prefix}self_attn.k_proj.weight": rand(KV_HEADS * HEAD_DIM, HIDDEN),
-        f"{prefix}self_attn.v_proj.weight": rand(KV_HEADS * HEAD_DIM, HIDDEN),
-        f"{prefix}self_attn.o_proj.weight": rand(HIDDEN, HEADS * HEAD_DIM),
-        f"{prefix}self_attn.q_norm.weight": torch.ones(HEAD_DIM),
-        f"{prefix}self_attn.k_norm.weight": torch.ones(HEAD_DIM),
+        f"{prefix}gate_proj.weight": rand(width, HIDDEN),
+        f"{prefix}up_proj.weight": rand(width, HIDDEN),
+        f"{prefix}down_proj.weight": rand(HIDDEN, width),
     }
 
 
-def _mlp_and_norms(prefix: str, rand: Callable[..., torch.Tensor]) -> dict[str, torch.Tensor]:
+def _dense_mlp(prefix: str, rand: Rand) -> dict[str, torch.Tensor]:
+    return _ffn(f"{prefix}mlp.", rand, FFN)
+
+
+def _moe_mlp(experts: int) -> MlpWeights:
+    """A DeepSeek-V3 MoE layer: a sigmoid router over ``experts`` routed experts (zero score-correction bias) and
+    one shared expert, each of width FFN."""
+
+    def mlp(prefix: str, rand: Rand) -> dict[str, torch.Tensor]:
+        weights = {
+            f"{prefix}mlp.gate.weight": rand(experts, HIDDEN),
+            f"{prefix}mlp.gate.e_score_correction_bias": torch.zeros(experts),
+        }
+        for e in range(experts):
+            weights.update(_ffn(f"{prefix}mlp.experts.{e}.", rand, FFN))
+        return {**weights, **_ffn(f"{prefix}mlp.shared_experts.", rand, FFN)}
+
+    return mlp
+
+
+def _layer_weights(
+    prefix: str, rand: Rand, attention: AttentionWeights | None = None, mlp: MlpWeights = _dense_mlp
+) -> dict[str, torch.Tensor]:
+    """One decoder layer: ``attention``'s projections (Qwen3 GQA of the default heads if None), then ``mlp``'s and
+    the norms."""
+    attention = attention or _qwen3_attention()
     return {
-        f"{prefix}mlp.gate_proj.weight": rand(FFN, HIDDEN),
-        f"{prefix}mlp.up_proj.weight": rand(FFN, HIDDEN),
-        f"{prefix}mlp.down_proj.weight": rand(HIDDEN, FFN),
+        **attention(prefix, rand),
+        **mlp(prefix, rand),
         f"{prefix}input_layernorm.weight": torch.ones(HIDDEN),
         f"{prefix}post_attention_layernorm.weight": torch.ones(HIDDEN),
     }
 
 
-# Writes one layer's attention weights under a name prefix, drawing them from a ``_rand`` generator.
-AttentionWeights = Callable[[str, Callable[..., torch.Tensor]], dict[str, torch.Tensor]]
-
-
-def _layer_weights(
-    prefix: str, rand: Callable[..., torch.Tensor], attention: AttentionWeights = _qwen3_attention
-) -> dict[str, torch.Tensor]:
-    """One decoder layer: ``attention``'s projections (Qwen3 GQA by default), then the MLP and norms."""
-    return {**attention(prefix, rand), **_mlp_and_norms(prefix, rand)}
-
-
-def _write_peaky_target(path: Path, seed: int, hot_tokens: int, config: dict, attention: AttentionWeights) -> Path:
-    """A TARGET_LAYERS-layer target with peaky logits: lm_head scale 8 over unit-RMS hidden states, and the
-    output rows of ``hot_tokens`` ids (2..hot_tokens+1) 3x larger."""
+def _write_peaky_target(
+    path: Path, seed: int, hot_tokens: int, config: dict, attention: AttentionWeights, mlps: list[MlpWeights]
+) -> Path:
+    """A target of ``len(mlps)`` layers (layer i's MLP from ``mlps[i]``) with peaky logits: lm_head scale 8 over
+    unit-RMS hidden states, and the output rows of ``hot_tokens`` ids (2..hot_tokens+1) 3x larger."""
     path.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
     rand = _rand(gen)
     weights = {"model.embed_tokens.weight": torch.randn(VOCAB, HIDDEN, generator=gen)}
-    for i in range(TARGET_LAYERS):
-        weights.update(_layer_weights(f"model.layers.{i}.", rand, attention))
+    for i, mlp in enumerate(mlps):
+        weights.update(_layer_weights(f"model.layers.{i}.", rand, attention, mlp))
     weights["model.norm.weight"] = torch.ones(HIDDEN)
     weights["lm_head.weight"] = torch.randn(VOCAB, HIDDEN, generator=gen) * 8.0 / HIDDEN**0.5
     weights["lm_head.weight"][2 : 2 + hot_tokens] *= 3.0
@@ -108,15 +143,26 @@ def _write_peaky_target(path: Path, seed: int, hot_tokens: int, config: dict, at
     return path
 
 
-def write_target(path: Path, seed: int = 0, hot_tokens: int = 24) -> Path:
-    """A 4-layer Qwen3ForCausalLM with peaky logits (see ``_write_peaky_target``).
+def write_target(
+    path: Path,
+    seed: int = 0,
+    hot_tokens: int = 24,
+    layers: int = TARGET_LAYERS,
+    heads: int = HEADS,
+    kv_heads: int = KV_HEADS,
+) -> Path:
+    """A Qwen3ForCausalLM (4 layers, 4 query / 2 KV heads by default) with peaky logits (``_write_peaky_target``).
 
     The target then mostly speaks a small vocabulary; the DFlash drafter shares this lm_head, so even a random
     drafter proposes the target's next token often enough for long accepted paths (what end-to-end tests of trees
     need).
     """
-    config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **_qwen3_keys(TARGET_LAYERS, HIDDEN)}
-    return _write_peaky_target(path, seed, hot_tokens, config, _qwen3_attention)
+    config = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        **_qwen3_keys(layers, HIDDEN, heads, kv_heads),
+    }
+    return _write_peaky_target(path, seed, hot_tokens, config, _qwen3_attention(heads, kv_heads), [_dense_mlp] * layers)
 
 
 MLA_HEADS = 8
@@ -124,19 +170,31 @@ MLA_NOPE_DIM = 128  # (128, 64, 128): DeepSeek-V3 dims, which vLLM's MLA prefill
 MLA_V_DIM = 128
 
 
-def _mla_attention(prefix: str, rand: Callable[..., torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {
-        f"{prefix}self_attn.q_proj.weight": rand(MLA_HEADS * (MLA_NOPE_DIM + MLA_ROPE_DIM), HIDDEN),
-        f"{prefix}self_attn.kv_a_proj_with_mqa.weight": rand(MLA_KV_LORA_RANK + MLA_ROPE_DIM, HIDDEN),
-        f"{prefix}self_attn.kv_a_layernorm.weight": torch.ones(MLA_KV_LORA_RANK),
-        f"{prefix}self_attn.kv_b_proj.weight": rand(MLA_HEADS * (MLA_NOPE_DIM + MLA_V_DIM), MLA_KV_LORA_RANK),
-        f"{prefix}self_attn.o_proj.weight": rand(HIDDEN, MLA_HEADS * MLA_V_DIM),
-    }
+def _mla_attention(heads: int) -> AttentionWeights:
+    def attention(prefix: str, rand: Rand) -> dict[str, torch.Tensor]:
+        return {
+            f"{prefix}self_attn.q_proj.weight": rand(heads * (MLA_NOPE_DIM + MLA_ROPE_DIM), HIDDEN),
+            f"{prefix}self_attn.kv_a_proj_with_mqa.weight": rand(MLA_KV_LORA_RANK + MLA_ROPE_DIM, HIDDEN),
+            f"{prefix}self_attn.kv_a_layernorm.weight": torch.ones(MLA_KV_LORA_RANK),
+            f"{prefix}self_attn.kv_b_proj.weight": rand(heads * (MLA_NOPE_DIM + MLA_V_DIM), MLA_KV_LORA_RANK),
+            f"{prefix}self_attn.o_proj.weight": rand(HIDDEN, heads * MLA_V_DIM),
+        }
+
+    return attention
 
 
-def write_mla_target(path: Path, seed: int = 0, hot_tokens: int = 24) -> Path:
-    """A 4-layer DeepseekV3ForCausalLM (MLA, no q-LoRA, dense MLPs only) with the same peaky lm_head as
-    ``write_target``; the DFlash drafter of ``write_dflash_drafter`` fits it (same hidden size, vocab, layers)."""
+def write_mla_target(
+    path: Path,
+    seed: int = 0,
+    hot_tokens: int = 24,
+    layers: int = TARGET_LAYERS,
+    heads: int = MLA_HEADS,
+    moe_layers: int = 0,
+    experts: int = 8,
+) -> Path:
+    """A DeepseekV3ForCausalLM (MLA, no q-LoRA; 4 layers of 8 heads with dense MLPs by default) with the same peaky
+    lm_head as ``write_target``. The last ``moe_layers`` layers are MoE (``_moe_mlp``: ``experts`` routed, 2 a
+    token, and one shared). ``write_dflash_drafter`` fits it (same hidden size and vocab; pass its layer count)."""
     config = {
         "architectures": ["DeepseekV3ForCausalLM"],
         "model_type": "deepseek_v3",
@@ -144,15 +202,15 @@ def write_mla_target(path: Path, seed: int = 0, hot_tokens: int = 24) -> Path:
         "hidden_size": HIDDEN,
         "intermediate_size": FFN,
         "moe_intermediate_size": FFN,
-        "num_hidden_layers": TARGET_LAYERS,
-        "num_attention_heads": MLA_HEADS,
-        "num_key_value_heads": MLA_HEADS,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
         "n_shared_experts": 1,
-        "n_routed_experts": 8,
+        "n_routed_experts": experts,
         "num_experts_per_tok": 2,
         "n_group": 1,
         "topk_group": 1,
-        "first_k_dense_replace": TARGET_LAYERS,
+        "first_k_dense_replace": layers - moe_layers,
         "moe_layer_freq": 1,
         "routed_scaling_factor": 1.0,
         "topk_method": "noaux_tc",
@@ -174,13 +232,19 @@ def write_mla_target(path: Path, seed: int = 0, hot_tokens: int = 24) -> Path:
         "bos_token_id": 0,
         "eos_token_id": 1,
     }
-    return _write_peaky_target(path, seed, hot_tokens, config, _mla_attention)
+    mlps = [_dense_mlp] * (layers - moe_layers) + [_moe_mlp(experts)] * moe_layers
+    return _write_peaky_target(path, seed, hot_tokens, config, _mla_attention(heads), mlps)
 
 
 def write_dflash_drafter(
-    path: Path, block_size: int = 8, target_layer_ids: tuple[int, ...] = (1, 2), seed: int = 1
+    path: Path,
+    block_size: int = 8,
+    target_layer_ids: tuple[int, ...] = (1, 2),
+    seed: int = 1,
+    target_layers: int = TARGET_LAYERS,
 ) -> Path:
-    """A 1-layer DFlashDraftModel that vLLM 0.26's qwen3_dflash loader reads (embed/lm_head shared with the target)."""
+    """A 1-layer DFlashDraftModel that vLLM 0.26's qwen3_dflash loader reads (embed/lm_head shared with the target),
+    for a target of ``target_layers`` layers whose ``target_layer_ids`` it reads."""
     path.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
     weights = _layer_weights("layers.0.", _rand(gen))
@@ -193,7 +257,7 @@ def write_dflash_drafter(
         "model_type": "qwen3",
         **_qwen3_keys(1, HIDDEN),
         "block_size": block_size,
-        "num_target_layers": TARGET_LAYERS,
+        "num_target_layers": target_layers,
         "target_hidden_size": HIDDEN,
         "dflash_config": {"mask_token_id": MASK_TOKEN_ID, "target_layer_ids": list(target_layer_ids)},
     }
