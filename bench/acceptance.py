@@ -38,6 +38,7 @@ from engine_probes import (
     read_probes,
     run_on_worker,
     shut_down,
+    spec_decode_counters,
 )
 from meta import run_meta
 
@@ -78,10 +79,6 @@ def engine_kwargs(gpu: bool, max_batch: int, sizes: list[int]) -> dict:
 
 def _drafter_block(drafter: str) -> int:
     return json.loads((Path(drafter) / "config.json").read_text())["block_size"]
-
-
-def _counters(llm: object) -> dict[str, float]:
-    return {m.name: m.value for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode") and hasattr(m, "value")}
 
 
 def _decode(llm: object, prompts: list[dict], params: object, batch: int) -> list[list[int]]:
@@ -132,7 +129,7 @@ def run_one(args: argparse.Namespace) -> None:
     for batch in args.batches:
         # Warm-up pass (graphs, first-shape Triton compiles); the reference run also records its top-2 gaps.
         gaps = _warm_up(llm, prompts, params, batch, reference=spec is None)
-        before = _counters(llm)
+        before = spec_decode_counters(llm)
         run_on_worker(llm, read_probes, inline=False)
         walls = []
         for _ in range(args.passes):
@@ -140,7 +137,7 @@ def run_one(args: argparse.Namespace) -> None:
             tokens = _decode(llm, prompts, params, batch)
             walls.append(time.perf_counter() - start)
         wall = statistics.median(walls)
-        after = _counters(llm)
+        after = spec_decode_counters(llm)
         probes = run_on_worker(llm, read_probes, inline=False)
         drafts = after.get("vllm:spec_decode_num_drafts", 0) - before.get("vllm:spec_decode_num_drafts", 0)
         accepted = after.get("vllm:spec_decode_num_accepted_tokens", 0) - before.get(

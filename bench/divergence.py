@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from child_rows import result_rows
-from engine_probes import engine_process_env, run_on_worker, shut_down
+from engine_probes import engine_process_env, run_on_worker, shut_down, spec_decode_counters
 from meta import run_meta
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -220,10 +220,6 @@ def _completions(llm: Any, prompts: list[dict], params: Any, batch: int) -> list
     return outs
 
 
-def _spec_counters(llm: Any) -> dict[str, float]:
-    return {m.name: m.value for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode") and hasattr(m, "value")}
-
-
 def engine_kwargs(gpu: bool, batch: int, compilation: dict[str, Any]) -> dict[str, Any]:
     """Every row's ``vllm.LLM`` arguments besides the model and the speculative config."""
     engine = dict(
@@ -268,9 +264,9 @@ def run_row(job: dict[str, Any]) -> dict[str, Any]:
     greedy = dict(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
     start = time.perf_counter()
     if spec is not None:
-        before = _spec_counters(llm)
+        before = spec_decode_counters(llm)
         row["tokens"] = [list(o.token_ids) for o in _completions(llm, prompts, SamplingParams(**greedy), job["batch"])]
-        after = _spec_counters(llm)
+        after = spec_decode_counters(llm)
         drafts, accepted = (
             after.get(k, 0) - before.get(k, 0)
             for k in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens")

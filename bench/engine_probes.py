@@ -39,6 +39,12 @@ def run_on_worker(llm: Any, fn: Any, inline: bool) -> Any:
     return llm.collective_rpc(fn)[0]
 
 
+def spec_decode_counters(llm: Any) -> dict[str, float]:
+    """An in-process engine's ``vllm:spec_decode*`` counters (``vllm.LLM.get_metrics``); differences of two
+    readings are a run's drafts and accepted tokens."""
+    return {m.name: m.value for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode") and hasattr(m, "value")}
+
+
 def shut_down(llm: Any) -> None:
     """Stop the engine and wait for its process to exit, so the next configuration's engine finds the GPU memory
     free (vLLM would otherwise stop it only at interpreter exit)."""
