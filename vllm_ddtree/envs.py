@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     VLLM_DDTREE_CSRC: str | None = None
     VLLM_DDTREE_CACHE: str = str(Path.home() / ".cache" / "vllm-ddtree")
     VLLM_DDTREE_MLA_CONTEXT: str = "auto"
+    VLLM_DDTREE_PREFILL: str = "vllm"
     VLLM_DDTREE_MLA_VARIANT: str = "auto"
     VLLM_DDTREE_MLA_PDL: bool = True
     VLLM_DDTREE_MLA_DECODE_CTAS_PER_SM: int = 0
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
 
 MLA_CONTEXTS = ("auto", "flashmla", "ddtree")
 """``VLLM_DDTREE_MLA_CONTEXT``: who attends the context keys of MLA decode rows (``kernels/mla_dispatch.py``)."""
+PREFILLS = ("vllm", "ddtree")
+"""``VLLM_DDTREE_PREFILL``: who attends rows longer than the verify width (``backends/row_split.py``)."""
 MLA_VARIANTS = ("auto", "portable", "decode", "decode-shallow")
 """``VLLM_DDTREE_MLA_VARIANT``: which of our CUDA kernels runs an MLA verify launch (``kernels/mla_dispatch.py``)."""
 
@@ -94,6 +97,9 @@ environment_variables: dict[str, Callable[[], Any]] = {
     # MLA decode rows' context keys: auto (FlashMLA where it can and the launch has many rows a request), flashmla
     # (FlashMLA for every launch where it can), ddtree (our CUDA kernel for the whole verify).
     "VLLM_DDTREE_MLA_CONTEXT": _choice("VLLM_DDTREE_MLA_CONTEXT", "auto", MLA_CONTEXTS),
+    # Rows longer than the verify width (prefill chunks): vllm (vLLM's own prefill attention, as the target computes
+    # them without speculation) or ddtree (the tree backends attend them too: GQA every row, MLA rows of <= 64).
+    "VLLM_DDTREE_PREFILL": _choice("VLLM_DDTREE_PREFILL", "vllm", PREFILLS),
     # Our MLA kernel: auto (per launch), or one forced for tests and benchmarks: portable (the <= 99 KB kernel of
     # sm_80 / sm_120), decode (the 16-row decode kernel), decode-shallow (it with sm_120's 2-stage ring).
     "VLLM_DDTREE_MLA_VARIANT": _choice("VLLM_DDTREE_MLA_VARIANT", "auto", MLA_VARIANTS),

@@ -32,6 +32,8 @@
 #   divergence   bench/divergence.py: greedy divergence from the target and teacher-forced log-prob deviation of
 #                the dflash chain and ddtree, on generated GQA and MLA (8-128 heads, dense and MoE) targets; one job
 #                a config (6 bf16 V2 engines without torch.compile; not yet timed on the H200), lanes alternating
+#   divergence-ab  the divergence bench on one MLA and one GQA config with VLLM_DDTREE_PREFILL=ddtree (prefill
+#                chunks on the tree backends, as before backends/row_split.py): the A/B of that change
 #   jobs:FILE    the jobs listed in FILE, one per line: LANE NAME [K=V ...] ARGS... (runs python3 ARGS with those
 #                environment variables, e.g. VLLM_DDTREE_CSRC=DIR for a kernel A/B; $RESULTS expands; words split
 #                on blanks, so no quoted arguments)
@@ -112,11 +114,16 @@ jobs_of() {
                mla-h128-moe-l2; do
         echo "$((n++ % 2)) div_$c bench/divergence.py --configs $c --out $r/divergence_$c.json"
       done ;;
+    divergence-ab)  # the same bench with the tree backends attending prefill chunks too (the plugin before)
+      echo "0 div_prefill_ddtree_mla-h16-moe-l3 VLLM_DDTREE_PREFILL=ddtree bench/divergence.py --configs mla-h16-moe-l3" \
+           "--out $r/divergence_prefill_ddtree_mla-h16-moe-l3.json"
+      echo "1 div_prefill_ddtree_gqa-h8kv2-l3 VLLM_DDTREE_PREFILL=ddtree bench/divergence.py --configs gqa-h8kv2-l3" \
+           "--out $r/divergence_prefill_ddtree_gqa-h8kv2-l3.json" ;;
     jobs:*)
       [ -f "${1#jobs:}" ] || { echo "no job file '${1#jobs:}'" >&2; return 2; }
       grep -v '^\s*\(#\|$\)' "${1#jobs:}" | sed "s|\$RESULTS|$r|g" ;;
     *) echo "unknown stage '$1': step-a, step-b, acceptance, ops, tests, recheck, profile, profile-b16, profile-4k, offsets, offsets-wide," \
-            "v1-plain, divergence" \
+            "v1-plain, divergence, divergence-ab" \
             "or jobs:FILE" >&2; return 2 ;;
   esac
 }

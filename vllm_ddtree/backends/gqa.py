@@ -25,6 +25,7 @@ from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionMetadataBuilder,
 )
 
+from vllm_ddtree.backends.row_split import first_prefill_request, tree_row_limit
 from vllm_ddtree.kernels import gqa_tree_attention
 from vllm_ddtree.tree_mask import current_tree_masks
 
@@ -75,12 +76,50 @@ def flash_context_attention(
     return out, lse
 
 
+def flash_prefill_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    out: torch.Tensor,
+    fa_version: int | None,
+) -> None:
+    """Prefill rows on FlashAttention, causal over each request's keys, as vLLM's FlashAttention backend attends
+    them without speculation (``row_split``). ``query_start_loc`` starts at 0 for these requests."""
+    from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
+
+    key_cache, value_cache = kv_cache.transpose(1, 2).split(query.shape[-1], dim=-1)
+    flash_attn_varlen_func(
+        q=query,
+        k=key_cache,
+        v=value_cache,
+        out=out,
+        cu_seqlens_q=query_start_loc,
+        max_seqlen_q=max_query_len,
+        seqused_k=seq_lens,
+        max_seqlen_k=max_seq_len,
+        softmax_scale=scale,
+        causal=True,
+        block_table=block_table,
+        fa_version=fa_version,
+    )
+
+
 @dataclass
 class DDTreeGQAMetadata(TritonAttentionMetadata):
-    """Triton attention metadata plus the per-request context lengths and FlashAttention's split bound."""
+    """Triton attention metadata plus the per-request context lengths and FlashAttention's split bound, and the
+    requests the tree path attends (a prefix of the batch; the rest, prefill chunks past the verify width, take
+    FlashAttention from ``prefill_query_start_loc``)."""
 
     context_lens: torch.Tensor | None = None
     max_num_splits: int = 0
+    num_tree_reqs: int = 0
+    num_tree_tokens: int = 0
+    prefill_query_start_loc: torch.Tensor | None = None
 
 
 class DDTreeGQAMetadataBuilder(TritonAttentionMetadataBuilder):
@@ -100,15 +139,31 @@ class DDTreeGQAMetadataBuilder(TritonAttentionMetadataBuilder):
             else 0
         )
         self.max_graph_tokens = compilation.max_cudagraph_capture_size or 0
+        self.row_limit = tree_row_limit(vllm_config)
 
     def build(self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False) -> DDTreeGQAMetadata:
-        base = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        num_reqs = common_attn_metadata.num_reqs
-        qsl = common_attn_metadata.query_start_loc
+        m = common_attn_metadata
+        base = super().build(common_prefix_len, m, fast_build)
+        num_reqs = m.num_reqs
+        qsl = m.query_start_loc
         context = self.context_lens[:num_reqs]
-        torch.sub(common_attn_metadata.seq_lens[:num_reqs], qsl[1 : num_reqs + 1] - qsl[:num_reqs], out=context)
+        torch.sub(m.seq_lens[:num_reqs], qsl[1 : num_reqs + 1] - qsl[:num_reqs], out=context)
         splits = self.graph_num_splits if base.num_actual_tokens <= self.max_graph_tokens else 0
-        return DDTreeGQAMetadata(**vars(base), context_lens=context, max_num_splits=splits)
+        tree_reqs, prefill_qsl = num_reqs, None
+        if self.row_limit is not None and m.max_query_len > self.row_limit:  # never in a FULL graph's batch
+            qsl_cpu = m.query_start_loc_cpu[: num_reqs + 1].tolist()
+            prefilling = None if m.is_prefilling is None else m.is_prefilling.tolist()
+            tree_reqs = first_prefill_request(qsl_cpu, self.row_limit, prefilling)
+            prefill_qsl = qsl[tree_reqs : num_reqs + 1] - qsl_cpu[tree_reqs] if tree_reqs < num_reqs else None
+        tree_tokens = int(m.query_start_loc_cpu[tree_reqs]) if tree_reqs < num_reqs else base.num_actual_tokens
+        return DDTreeGQAMetadata(
+            **vars(base),
+            context_lens=context,
+            max_num_splits=splits,
+            num_tree_reqs=tree_reqs,
+            num_tree_tokens=tree_tokens,
+            prefill_query_start_loc=prefill_qsl,
+        )
 
 
 class DDTreeGQAImpl(TritonAttentionImpl):
@@ -155,31 +210,61 @@ class DDTreeGQAImpl(TritonAttentionImpl):
             )
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("the ddtree GQA backend does not fuse output quantization")
-        num_tokens = attn_metadata.num_actual_tokens
-        query = query[:num_tokens]
+        m = attn_metadata
+        num_tokens = m.num_actual_tokens
+        out = output[:num_tokens].view(num_tokens, self.num_heads, -1)
+        fa_ready = self.fa_version is not None and query.dtype in (torch.float16, torch.bfloat16)
+        block_table, seq_lens, qsl, context_lens, tokens = (
+            m.block_table,
+            m.seq_lens,
+            m.query_start_loc,
+            m.context_lens,
+            num_tokens,
+        )
+        if m.prefill_query_start_loc is not None and fa_ready:  # prefill chunks past the verify width
+            reqs, tokens = m.num_tree_reqs, m.num_tree_tokens
+            flash_prefill_attention(
+                query[tokens:num_tokens],
+                kv_cache,
+                block_table[reqs:],
+                seq_lens[reqs:],
+                m.prefill_query_start_loc,
+                self.scale,
+                m.max_query_len,
+                m.max_seq_len,
+                out[tokens:],
+                self.fa_version,
+            )
+            block_table, seq_lens, qsl, context_lens = (
+                block_table[:reqs],
+                seq_lens[:reqs],
+                qsl[: reqs + 1],
+                context_lens[:reqs],
+            )
+        query = query[:tokens]
         context = None
-        if self.fa_version is not None and query.dtype in (torch.float16, torch.bfloat16):
+        if fa_ready:
             context = flash_context_attention(
                 query,
                 kv_cache,
-                attn_metadata.block_table,
-                attn_metadata.context_lens,
-                attn_metadata.query_start_loc,
+                block_table,
+                context_lens,
+                qsl,
                 self.scale,
-                attn_metadata.max_query_len,
-                attn_metadata.max_seq_len,
-                attn_metadata.max_num_splits,
+                m.max_query_len,
+                m.max_seq_len,
+                m.max_num_splits,
                 self.fa_version,
             )
         gqa_tree_attention(
             query,
             kv_cache,
-            attn_metadata.block_table,
-            attn_metadata.seq_lens,
-            attn_metadata.query_start_loc,
-            masks.token_bits[:num_tokens],
+            block_table,
+            seq_lens,
+            qsl,
+            masks.token_bits[:tokens],
             self.scale,
-            output[:num_tokens].view(num_tokens, self.num_heads, -1),
+            out[:tokens],
             prefix_out=context[0] if context else None,
             prefix_lse=context[1] if context else None,
         )

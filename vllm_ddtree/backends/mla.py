@@ -8,9 +8,11 @@ decode is split instead: FlashMLA attends each row's context (every key before t
 launches of few rows a request (plain decode and tiny trees at few heads), which our decode kernel reads faster.
 ``VLLM_DDTREE_MLA_CONTEXT`` overrides: ``flashmla`` splits every launch, ``ddtree`` keeps our kernel for all. Those
 choices, and which of our kernels runs, are the dispatch table's (``kernels/mla_dispatch.py``).
-Rows with up to 64 tokens take the decode path (``QueryLenSupport.VARLEN``, reorder threshold 64): tree rows get
-their tree words from the runner's ``prepare_attn`` hook, every other short row is causal. Without a DDTree runner
-in the process the builder writes causal words itself, so the backend is also a correct plain MLA decode backend.
+Rows up to the verify width take the decode path (``QueryLenSupport.VARLEN``, reorder threshold = the width,
+``backends/row_split.py``): tree rows get their tree words from the runner's ``prepare_attn`` hook, every other
+short row is causal; longer rows (prefill chunks) take vLLM's MLA prefill path, as without speculation. Without a
+DDTree runner in the process the builder writes causal words itself, so the backend is also a correct plain MLA
+decode backend.
 All tensors the kernels read are persistent and KV split plans are computed on the device, so the builder reports
 ``UNIFORM_BATCH`` and the verify step and the drafter stay in FULL graphs.
 """
@@ -32,6 +34,7 @@ from vllm.model_executor.layers.attention.mla_attention import (
 from vllm.v1.attention.backend import AttentionCGSupport, MultipleOf
 
 from vllm_ddtree import envs
+from vllm_ddtree.backends.row_split import first_prefill_request, tree_row_limit
 from vllm_ddtree.constants import MAX_TREE_WIDTH, MLA_HEAD_DIM, MLA_KV_LORA_RANK, MLA_ROPE_DIM
 from vllm_ddtree.kernels.mla_dispatch import FLASHMLA_PAGE, flashmla_context, split_this_launch
 from vllm_ddtree.tree_mask import causal_bits, current_tree_masks
@@ -83,7 +86,7 @@ def causal_token_bits(query_start_loc: list[int], num_tokens: int) -> torch.Tens
 
 
 class DDTreeMLAMetadataBuilder(MLACommonMetadataBuilder[DDTreeMLAMetadata]):
-    """vLLM's MLA metadata with every decode row of up to 64 tokens on the tree kernel."""
+    """vLLM's MLA metadata with every decode row (up to the verify width) on the tree kernels."""
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
     query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.VARLEN
@@ -91,6 +94,10 @@ class DDTreeMLAMetadataBuilder(MLACommonMetadataBuilder[DDTreeMLAMetadata]):
 
     def __init__(self, kv_cache_spec: Any, layer_names: list[str], vllm_config: Any, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device, DDTreeMLAMetadata)
+        # vLLM raises the threshold to 1 + 2 x num_speculative_tokens for parallel drafters (DFlash); our decode path
+        # takes rows of at most 64 tokens, and only verify rows need it. ``build`` sets it per step.
+        self._row_limit = tree_row_limit(vllm_config)
+        self.reorder_batch_threshold = MAX_TREE_WIDTH if self._row_limit is None else self._row_limit
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self._causal_bits = torch.full((max_tokens,), -1, dtype=torch.int64, device=device)
         from vllm.v1.attention.ops.flashmla import is_flashmla_dense_supported
@@ -109,6 +116,17 @@ class DDTreeMLAMetadataBuilder(MLACommonMetadataBuilder[DDTreeMLAMetadata]):
             self._context_lens = torch.zeros(max_reqs, dtype=torch.int32, device=device)
             self._padded_rows = torch.zeros(max_reqs * MAX_TREE_WIDTH, dtype=torch.int64, device=device)
             self._cols = torch.arange(MAX_TREE_WIDTH, dtype=torch.int64, device=device)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False) -> DDTreeMLAMetadata:
+        """vLLM's MLA build with the decode rows of ``row_split``: requests past the verify width take vLLM's prefill
+        path where they are a suffix of requests still prefilling, else every row of <= 64 tokens is a decode."""
+        if self._row_limit is not None:
+            m = common_attn_metadata
+            prefilling = None if m.is_prefilling is None else m.is_prefilling.tolist()
+            qsl = m.query_start_loc_cpu[: m.num_reqs + 1].tolist()
+            suffix = first_prefill_request(qsl, self._row_limit, prefilling) < m.num_reqs
+            self.reorder_batch_threshold = self._row_limit if suffix else MAX_TREE_WIDTH
+        return super().build(common_prefix_len, common_attn_metadata, fast_build)
 
     def _build_decode(
         self,
