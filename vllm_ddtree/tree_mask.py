@@ -53,3 +53,15 @@ def causal_bits(width: int, device: torch.device | str | None = None) -> torch.T
     words = [(1 << (i + 1)) - 1 for i in range(width)]
     signed = [w - (1 << 64) if w >= 1 << 63 else w for w in words]
     return torch.tensor(signed, dtype=torch.int64, device=device)
+
+
+def context_key_counts(
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Keys a request's context pass attends for every row (vLLM's FlashAttention / FlashMLA, no mask): every key
+    before its last ``q_len`` and the first of those, the tree's root, which every tree row and every causal row
+    sees. A root row then needs nothing else and keeps vLLM's kernel's output bit for bit (the kernel and the keys
+    of the target's own decode of that token); the tree kernels attend tail keys 1.. only. Requests with ``q_len``
+    0 (graph padding) count ``seq_len``."""
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    return torch.sub(seq_lens, (q_lens - 1).clamp(min=0).to(seq_lens.dtype), out=out)

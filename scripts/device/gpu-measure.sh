@@ -31,7 +31,8 @@
 #                paired and pinned, 9 alternating repeats
 #   divergence   bench/divergence.py: greedy divergence from the target and teacher-forced log-prob deviation of
 #                the dflash chain and ddtree, on generated GQA and MLA (8-128 heads, dense and MoE) targets; one job
-#                a config (6 bf16 V2 engines without torch.compile; not yet timed on the H200), lanes alternating
+#                a config (6 bf16 V2 engines without torch.compile, 30-80 s each to start on the H200: ~5 min a
+#                config), lanes alternating; divergence-a (3 configs) and divergence-b (the other 4) fit a session each
 #   divergence-ab  the divergence bench on one MLA and one GQA config with VLLM_DDTREE_PREFILL=ddtree (prefill
 #                chunks on the tree backends, as before backends/row_split.py): the A/B of that change
 #   jobs:FILE    the jobs listed in FILE, one per line: LANE NAME [K=V ...] ARGS... (runs python3 ARGS with those
@@ -108,10 +109,11 @@ jobs_of() {
     v1-plain)
       echo "0 step_v1_plain bench/step_time.py --target kimi-mla --configs dflash-v1-plain ddtree --budgets 16 32 63" \
            "--batches 1 --paired --pin --pair-chains dflash-v1-plain --repeats 9 --out $r/step_v1_plain_b1.json" ;;
-    divergence)
-      local c n=0
-      for c in gqa-h8kv2-l3 gqa-h16kv8-l2 mla-h8-dense-l2 mla-h16-moe-l3 mla-h32-dense-l4 mla-h64-moe-l4 \
-               mla-h128-moe-l2; do
+    divergence|divergence-a|divergence-b)
+      local c n=0 configs="mla-h16-moe-l3 gqa-h8kv2-l3 mla-h64-moe-l4"
+      [ "$1" = divergence-b ] && configs="gqa-h16kv8-l2 mla-h8-dense-l2 mla-h32-dense-l4 mla-h128-moe-l2"
+      [ "$1" = divergence ] && configs="$configs gqa-h16kv8-l2 mla-h8-dense-l2 mla-h32-dense-l4 mla-h128-moe-l2"
+      for c in $configs; do
         echo "$((n++ % 2)) div_$c bench/divergence.py --configs $c --out $r/divergence_$c.json"
       done ;;
     divergence-ab)  # the same bench with the tree backends attending prefill chunks too (the plugin before)
@@ -123,7 +125,7 @@ jobs_of() {
       [ -f "${1#jobs:}" ] || { echo "no job file '${1#jobs:}'" >&2; return 2; }
       grep -v '^\s*\(#\|$\)' "${1#jobs:}" | sed "s|\$RESULTS|$r|g" ;;
     *) echo "unknown stage '$1': step-a, step-b, acceptance, ops, tests, recheck, profile, profile-b16, profile-4k, offsets, offsets-wide," \
-            "v1-plain, divergence, divergence-ab" \
+            "v1-plain, divergence, divergence-a, divergence-b, divergence-ab" \
             "or jobs:FILE" >&2; return 2 ;;
   esac
 }

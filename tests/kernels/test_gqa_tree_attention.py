@@ -93,8 +93,9 @@ def run_kernel(case: dict, num_splits: int | None = None) -> torch.Tensor:
 
 
 def context_attention(case: dict, empty_lse: float = float("inf")) -> tuple[torch.Tensor, torch.Tensor]:
-    """What FlashAttention returns for each request's keys before its last q_len: ``out`` [T, Hq, D] (query dtype)
-    and ``lse`` [Hq, T] (natural log; rows with no context get ``empty_lse``, FlashAttention's +inf)."""
+    """What FlashAttention returns for each request's context pass (the keys before its last q_len and the root,
+    ``tree_mask.context_key_counts``): ``out`` [T, Hq, D] (query dtype) and ``lse`` [Hq, T] (natural log; rows with
+    no keys get ``empty_lse``, FlashAttention's +inf)."""
     q, cache, table = case["query"].float(), case["kv_cache"].float(), case["block_table"]
     rows, hq, d = q.shape
     page, group = cache.shape[2], hq // cache.shape[1]
@@ -103,7 +104,7 @@ def context_attention(case: dict, empty_lse: float = float("inf")) -> tuple[torc
     qsl, lens = case["query_start_loc"].tolist(), case["seq_lens"].tolist()
     for b, seq_len in enumerate(lens):
         q0, q1 = qsl[b], qsl[b + 1]
-        ctx = seq_len - (q1 - q0)
+        ctx = seq_len - max(q1 - q0 - 1, 0)
         if q1 == q0 or ctx <= 0:
             continue
         pages = table[b, : -(-ctx // page)].long()
@@ -295,13 +296,14 @@ def test_cuda_varlen_mix(dtype: torch.dtype) -> None:
 def flash_context(case: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """The context part from vLLM's FlashAttention, as the DDTree GQA backend calls it."""
     from vllm_ddtree.backends.gqa import flash_context_attention
+    from vllm_ddtree.tree_mask import context_key_counts
 
     q_lens = case["query_start_loc"][1:] - case["query_start_loc"][:-1]
     return flash_context_attention(
         case["query"],
         case["kv_cache"],
         case["block_table"],
-        case["seq_lens"] - q_lens,
+        context_key_counts(case["seq_lens"], case["query_start_loc"]),
         case["query_start_loc"],
         case["scale"],
         max_query_len=int(q_lens.max()),

@@ -49,8 +49,8 @@ def random_case(seed: int, device: str = "cpu", heads: int = 8, page: int = 16, 
     tokens = int(qsl[-1])
     bits = torch.zeros(tokens, dtype=torch.int64)
     for b, n in enumerate(q_lens):
-        for i in range(n):  # an ancestor-like word: self, plus random earlier tail keys
-            word = 1 << i
+        for i in range(n):  # an ancestor-like word: self and the root (every node's ancestor), plus random others
+            word = 1 << i | 1
             for j in range(i):
                 if torch.rand(1, generator=gen) < 0.5:
                     word |= 1 << j
@@ -76,6 +76,7 @@ def check_case(case: dict, with_prefix: bool, v_split: int | None = None) -> Non
     vs the whole-verify fp32 reference, on the rows that exist; ``v_split`` output parts per row tile (None: the
     launcher's choice; the tail alone only)."""
     from vllm_ddtree.kernels import mla_context_reference, mla_tree_tail, mla_tree_verify_ref, split_verify
+    from vllm_ddtree.tree_mask import context_key_counts
 
     args = {k: case[k] for k in ("q_nope", "q_pe", "kv_cache", "block_table", "seq_lens", "query_start_loc")}
     seq_lens, qsl = case["seq_lens"].cpu(), case["query_start_loc"].cpu()
@@ -135,7 +136,7 @@ def check_case(case: dict, with_prefix: bool, v_split: int | None = None) -> Non
             cpu["q_pe"],
             cpu["kv_cache"],
             cpu["block_table"],
-            seq_lens - q_lens,
+            context_key_counts(seq_lens, qsl),
             qsl,
             case["softmax_scale"],
             case["max_query_len"],
@@ -182,6 +183,7 @@ def check_backend_split(case: dict) -> None:
 
     from vllm_ddtree.backends.mla import DDTreeMLADecodeMetadata, DDTreeMLAImpl, padded_query_rows, uniform_query_rows
     from vllm_ddtree.kernels import mla_tree_verify_ref
+    from vllm_ddtree.tree_mask import context_key_counts
 
     flashmla.flash_mla_with_kvcache = fake_flashmla
     qsl, seq_lens, width = case["query_start_loc"], case["seq_lens"], case["max_query_len"]
@@ -194,7 +196,7 @@ def check_backend_split(case: dict) -> None:
         query_start_loc=qsl,
         max_query_len=width,
         causal_token_bits=case["tree_bits"],
-        context_lens=seq_lens - (qsl[1:] - qsl[:-1]),
+        context_lens=context_key_counts(seq_lens, qsl),
         padded_rows=rows,
         flashmla_sched=object(),
     )
@@ -316,9 +318,11 @@ def test_cuda_tail_matches_reference(heads: int) -> None:
 
 
 def flashmla_context_pass(case: dict) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
-    """vLLM's FlashMLA over each request's context keys, its rows padded to the launch's uniform width (the last row
-    repeated), as the backend calls it."""
+    """vLLM's FlashMLA over each request's context keys and root, its rows padded to the launch's uniform width (the
+    last row repeated), as the backend calls it."""
     from vllm.v1.attention.ops.flashmla import flash_mla_with_kvcache, get_mla_metadata
+
+    from vllm_ddtree.tree_mask import context_key_counts
 
     qsl, seq_lens, width = case["query_start_loc"], case["seq_lens"], case["max_query_len"]
     q_lens = (qsl[1:] - qsl[:-1]).long()
@@ -333,7 +337,7 @@ def flashmla_context_pass(case: dict) -> Callable[[], tuple[torch.Tensor, torch.
             q=q.view(len(q_lens), width, heads, 576),
             k_cache=case["kv_cache"].unsqueeze(-2),
             block_table=case["block_table"],
-            cache_seqlens=(seq_lens - q_lens.int()).int(),
+            cache_seqlens=context_key_counts(seq_lens, qsl).int(),
             head_dim_v=512,
             tile_scheduler_metadata=sched,
             softmax_scale=case["softmax_scale"],

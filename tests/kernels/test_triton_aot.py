@@ -150,6 +150,7 @@ def test_mla_tree_tail_kernel_compiles(arch: int, heads: int, v_split: int, keys
         "CHUNK": CHUNK,
         "V_SPLIT": v_split,
         "F32_DOT": False,
+        "ROOT_IN_CONTEXT": True,
     }
     kernel = _compile(_mla_tree_tail_kernel, signature, constexprs, arch, NUM_WARPS)
     _check(kernel, f"mla tail H{heads} keys {keys} V/{v_split} sm_{arch}")

@@ -301,3 +301,21 @@ def test_chain_rows_get_the_argmax_chain_and_nothing_else() -> None:
         assert trees.parents[b, :6].tolist() == [-1, 0, 1, 2, 3, 4]
         assert torch.equal(trees.node_tokens[b, :5], ids[b, :, 0])
     assert int(trees.num_nodes[1]) == 12 and trees.parents[1, :13].tolist() != list(range(-1, 12))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_every_row_sees_the_root_key_that_the_context_pass_attends(seed: int) -> None:
+    """The backends' context pass attends every key before a request's tail and the tail's first key
+    (``context_key_counts``), and the tree kernels then skip that key: sound only because every word the layout
+    writes, tree or causal, has bit 0 set."""
+    from vllm_ddtree.tree_mask import context_key_counts
+    from vllm_ddtree.v2.verify_layout import verify_layout_reference
+
+    step = random_step(seed)
+    verify_layout_reference(**step)
+    qsl = step["query_start_loc"]
+    tokens = int(qsl[step["num_reqs"]])
+    assert bool(((step["token_bits"][:tokens] & 1) == 1).all())
+    seq_lens = torch.tensor([50, 7, 3, 0], dtype=torch.int32)
+    counts = context_key_counts(seq_lens, torch.tensor([0, 16, 17, 20, 20], dtype=torch.int32))
+    assert counts.tolist() == [35, 7, 1, 0] and counts.dtype == torch.int32

@@ -3,10 +3,11 @@
 It is vLLM's Triton attention backend (same paged cache layout, logical ``(blocks, kv_heads, page, 2*head)``, and
 the same cache writes) with the attention itself replaced: query ``t`` sees its request's context (every key
 before its last ``q_len``) and the tail keys allowed by ``token_bits[t]``, which the runner's ``prepare_attn``
-hook writes every step (causal words for ordinary rows, ancestor words for tree rows). The context, which is where
-the time goes at long lengths, runs on vLLM's FlashAttention (one read of the cache for all tree rows and heads of
-a KV head, no mask); ``gqa_tree_attention`` then attends the masked tail and merges it into FlashAttention's
-output by log-sum-exp. Where FlashAttention cannot run (float32, no build for the GPU) the Triton kernel does both.
+hook writes every step (causal words for ordinary rows, ancestor words for tree rows). The context and the root,
+which every row sees and where the time goes at long lengths, run on vLLM's FlashAttention (one read of the cache
+for all tree rows and heads of a KV head, no mask), so a root row keeps the output of the target's own kernel;
+``gqa_tree_attention`` then attends the rest of the masked tail and merges it into FlashAttention's output by
+log-sum-exp. Where FlashAttention cannot run (float32, no build for the GPU) the Triton kernel does both.
 Every tensor lives in persistent buffers, so the verify step and the drafter stay in FULL CUDA graphs; the builder
 reports ``UNIFORM_BATCH``.
 """
@@ -27,7 +28,7 @@ from vllm.v1.attention.backends.triton_attn import (
 
 from vllm_ddtree.backends.row_split import first_prefill_request, tree_row_limit
 from vllm_ddtree.kernels import gqa_tree_attention
-from vllm_ddtree.tree_mask import current_tree_masks
+from vllm_ddtree.tree_mask import context_key_counts, current_tree_masks
 
 
 def flash_attention_version() -> int | None:
@@ -51,8 +52,9 @@ def flash_context_attention(
     num_splits: int = 0,
     fa_version: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each request's rows against its context keys only (``context_lens`` = seq_len - q_len), unmasked:
-    FlashAttention's output [T, Hq, D] and log-sum-exp [Hq, T]. ``kv_cache`` is the logical Triton layout."""
+    """Each request's rows against its first ``context_lens`` keys (``tree_mask.context_key_counts``: the context
+    and the root), unmasked: FlashAttention's output [T, Hq, D] and log-sum-exp [Hq, T]. ``kv_cache`` is the logical
+    Triton layout."""
     from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
 
     head = query.shape[-1]
@@ -146,8 +148,7 @@ class DDTreeGQAMetadataBuilder(TritonAttentionMetadataBuilder):
         base = super().build(common_prefix_len, m, fast_build)
         num_reqs = m.num_reqs
         qsl = m.query_start_loc
-        context = self.context_lens[:num_reqs]
-        torch.sub(m.seq_lens[:num_reqs], qsl[1 : num_reqs + 1] - qsl[:num_reqs], out=context)
+        context = context_key_counts(m.seq_lens[:num_reqs], qsl[: num_reqs + 1], out=self.context_lens[:num_reqs])
         splits = self.graph_num_splits if base.num_actual_tokens <= self.max_graph_tokens else 0
         tree_reqs, prefill_qsl = num_reqs, None
         if self.row_limit is not None and m.max_query_len > self.row_limit:  # never in a FULL graph's batch

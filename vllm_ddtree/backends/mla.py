@@ -3,8 +3,9 @@
 vLLM's MLA common code keeps prefill (vLLM's MLA prefill path) and absorbs the decode queries; this backend's decode
 is ``ddtree::mla_tree_verify``, which reads each request's latent cache once for all its tree rows and heads and
 applies the per-token ancestor words. On Hopper with a bf16 cache in 64-token pages, where vLLM ships FlashMLA, the
-decode is split instead: FlashMLA attends each row's context (every key before the request's tree, no mask) while
-``mla_tree_tail`` attends the tree keys on a second stream, merged by log-sum-exp (``split_verify``) — except for
+decode is split instead: FlashMLA attends each row's context (every key before the request's tree, and its root;
+no mask) while ``mla_tree_tail`` attends the other tree keys on a second stream, merged by log-sum-exp
+(``split_verify``) — except for
 launches of few rows a request (plain decode and tiny trees at few heads), which our decode kernel reads faster.
 ``VLLM_DDTREE_MLA_CONTEXT`` overrides: ``flashmla`` splits every launch, ``ddtree`` keeps our kernel for all. Those
 choices, and which of our kernels runs, are the dispatch table's (``kernels/mla_dispatch.py``).
@@ -37,7 +38,7 @@ from vllm_ddtree import envs
 from vllm_ddtree.backends.row_split import first_prefill_request, tree_row_limit
 from vllm_ddtree.constants import MAX_TREE_WIDTH, MLA_HEAD_DIM, MLA_KV_LORA_RANK, MLA_ROPE_DIM
 from vllm_ddtree.kernels.mla_dispatch import FLASHMLA_PAGE, flashmla_context, split_this_launch
-from vllm_ddtree.tree_mask import causal_bits, current_tree_masks
+from vllm_ddtree.tree_mask import causal_bits, context_key_counts, current_tree_masks
 
 
 @dataclass
@@ -157,7 +158,8 @@ class DDTreeMLAMetadataBuilder(MLACommonMetadataBuilder[DDTreeMLAMetadata]):
         return decode
 
     def _plan_flashmla_context(self, decode: DDTreeMLADecodeMetadata, num_decode_tokens: int, uniform: bool) -> None:
-        """Persistent per-step inputs of the context pass (device ops only): context lengths, and unless every
+        """Persistent per-step inputs of the context pass (device ops only): its key counts (the context and the
+        root, ``tree_mask.context_key_counts``), and unless every
         request has ``width`` rows (``uniform``), for each request ``width`` row indices into the decode queries
         (its rows, then its last row repeated) for FlashMLA's uniform ``[B, width]`` query layout. A FULL graph is
         captured on a uniform batch and replayed only on uniform batches (real requests first, q_len-0 padding
@@ -166,8 +168,7 @@ class DDTreeMLAMetadataBuilder(MLACommonMetadataBuilder[DDTreeMLAMetadata]):
 
         num_reqs, width = decode.seq_lens.shape[0], decode.max_query_len
         qsl = decode.query_start_loc
-        self._context_lens[:num_reqs] = decode.seq_lens - (qsl[1:] - qsl[:-1]).to(torch.int32)
-        decode.context_lens = self._context_lens[:num_reqs]
+        decode.context_lens = context_key_counts(decode.seq_lens, qsl, out=self._context_lens[:num_reqs])
         if not uniform:
             self._padded_rows[: num_reqs * width] = padded_query_rows(qsl, width, num_decode_tokens, self._cols)
             decode.padded_rows = self._padded_rows[: num_reqs * width]

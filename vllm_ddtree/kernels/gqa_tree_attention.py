@@ -52,7 +52,8 @@ def _attend_tile(
     SKIP_CONTEXT: tl.constexpr = False,
 ):
     """One KV tile of the online softmax. Scores are kept in log2 units (qk_scale includes log2 e). With
-    SKIP_CONTEXT the keys before the tail are left out (another kernel already attended them)."""
+    SKIP_CONTEXT the keys before the tail and the tail's first key (the root) are left out: another kernel already
+    attended them (``tree_mask.context_key_counts``)."""
     n = tl.arange(0, BLOCK_N)
     d = tl.arange(0, HEAD_D)
     k_pos = tile * BLOCK_N + n
@@ -74,7 +75,7 @@ def _attend_tile(
         causal_vis = j[None, :] <= qi[:, None]
         vis = tl.where(is_tree, tree_vis, causal_vis)
         if SKIP_CONTEXT:
-            vis = vis & (j[None, :] >= 0)
+            vis = vis & (j[None, :] >= 1)
         else:
             vis = vis | (j[None, :] < 0)
         s = tl.where(vis & k_ok[None, :], s, float("-inf"))
@@ -172,8 +173,9 @@ def _gqa_tree_attn_kernel(
     kv_base = kv_ptr + kvh.to(tl.int64) * s_kvh
     bt_row = bt_ptr + b.to(tl.int64) * s_bt
     if HAS_PREFIX:
-        # The context keys were attended by another kernel (FlashAttention): start from its normalised output and
-        # log-sum-exp (natural log, [Hq, T]); an empty context reports lse = +-inf and contributes nothing.
+        # The context keys and the root were attended by another kernel (FlashAttention): start from its normalised
+        # output and log-sum-exp (natural log, [Hq, T]); an empty context reports lse = +-inf and contributes
+        # nothing. A row that sees no other key keeps that output bit for bit (alpha 1, l 1).
         lse = tl.load(prefix_lse_ptr + head * s_lh + row, mask=row_ok, other=float("-inf"))
         seen = (lse == lse) & (lse != float("inf")) & (lse != float("-inf"))
         prev = tl.load(
@@ -364,8 +366,9 @@ def gqa_tree_attention(
     launch constant, so the call can be captured in a CUDA graph and replayed with new lengths, tables and trees.
 
     With ``prefix_out`` [T, Hq, D] and ``prefix_lse`` [Hq, T] (natural log; FlashAttention's ``out`` and
-    ``softmax_lse`` over each request's keys before its last ``q_len``), only the tail keys are read here and
-    merged into that result: the long context runs on FlashAttention, the tree mask only where it applies."""
+    ``softmax_lse`` over each request's first ``tree_mask.context_key_counts`` keys: the context and the root), only
+    the other tail keys are read here and merged into that result: the long context runs on FlashAttention, the
+    tree mask only where it applies."""
     num_rows, num_q_heads, head_d = query.shape
     num_blocks, num_kv_heads, page, two_d = kv_cache.shape
     if two_d != 2 * head_d or num_q_heads % num_kv_heads or kv_cache.stride(-1) != 1 or query.stride(-1) != 1:

@@ -2,9 +2,11 @@
 
 On Hopper, vLLM ships FlashMLA, which reads the latent cache at close to the GPU's limits but knows only causal
 masks. DDTree's MLA backend therefore splits each verify row's keys in two: FlashMLA attends every key before the
-request's last ``q_len`` (the context, visible to all rows, ``causal=False``) and returns its normalised output and
-log-sum-exp; ``mla_tree_tail`` attends the last ``q_len`` keys (the tree: at most 64) under the ancestor words; and
-``merge_context`` joins the two by log-sum-exp. The context is read once, by FlashMLA, for all tree rows and heads.
+request's last ``q_len`` and the first of those, the tree's root (the keys every row sees, ``causal=False``) and
+returns its normalised output and log-sum-exp; ``mla_tree_tail`` attends the other tree keys (at most 63) under
+the ancestor words; and ``merge_context`` joins the two by log-sum-exp. A root row then sees no tail key and keeps
+FlashMLA's output bit for bit: the target's own kernel over the keys its own decode of that token attends. The
+context is read once, by FlashMLA, for all tree rows and heads.
 ``split_verify`` runs the tail on a second stream while FlashMLA runs (fork and join are captured in CUDA graphs):
 the tail needs nothing from FlashMLA, so only the merge follows it (measured: docs/results.md, section 6.4).
 ``pack_context_query`` builds FlashMLA's packed ``[T, H, 576]`` query from the two parts vLLM hands over, in one
@@ -72,6 +74,7 @@ def _mla_tree_tail_kernel(
     CHUNK: tl.constexpr,
     V_SPLIT: tl.constexpr,
     F32_DOT: tl.constexpr,
+    ROOT_IN_CONTEXT: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
@@ -121,6 +124,8 @@ def _mla_tree_tail_kernel(
     low, high = bits.to(tl.int32), (bits >> 32).to(tl.int32)  # 32-bit halves keep the [rows, keys] test narrow
     word = tl.where(j[None, :] < 32, low[:, None], high[:, None])
     visible = (((word >> (j[None, :] % 32)) & 1) != 0) & k_ok[None, :]
+    if ROOT_IN_CONTEXT:  # the context pass attended the root key (tree_mask.context_key_counts)
+        visible = visible & (j[None, :] >= 1)
     s = tl.where(visible, s, float("-inf"))
 
     m = tl.max(s, axis=1)
@@ -172,12 +177,13 @@ def mla_tree_tail(
     lse: torch.Tensor,
     max_query_len: int,
     v_split: int | None = None,
+    root_in_context: bool = False,
 ) -> None:
     """Attend each verify row's tree keys only (the request's last ``q_len`` <= 64 keys, bit ``j`` of
-    ``tree_bits[t]`` lets row ``t`` see key ``j``); writes the normalised ``out`` ``[T, H, 512]`` (in its dtype) and
-    ``lse`` ``[T, H]`` (natural log; -inf for a row that sees no key). bf16/fp16 cache ``[blocks, page, 576]``; no
-    host reads (CUDA graphs). ``v_split`` (output parts per row tile, one of ``V_SPLITS``) defaults to
-    ``output_parts`` of the grid."""
+    ``tree_bits[t]`` lets row ``t`` see key ``j``; with ``root_in_context`` keys 1.. only, the context pass having
+    attended the root); writes the normalised ``out`` ``[T, H, 512]`` (in its dtype) and ``lse`` ``[T, H]`` (natural
+    log; -inf for a row that sees no key). bf16/fp16 cache ``[blocks, page, 576]``; no host reads (CUDA graphs).
+    ``v_split`` (output parts per row tile, one of ``V_SPLITS``) defaults to ``output_parts`` of the grid."""
     num_reqs, num_heads = seq_lens.shape[0], q_nope.shape[1]
     if not 1 <= max_query_len <= MAX_TREE_WIDTH:
         raise ValueError(f"mla_tree_tail handles rows of 1..{MAX_TREE_WIDTH} tokens, got max_query_len {max_query_len}")
@@ -220,6 +226,7 @@ def mla_tree_tail(
         CHUNK=CHUNK,
         V_SPLIT=v_split,
         F32_DOT=envs.TRITON_INTERPRET,
+        ROOT_IN_CONTEXT=root_in_context,
         num_warps=NUM_WARPS,
     )
 
@@ -423,8 +430,9 @@ def split_verify(
     max_query_len: int,
     side_stream: torch.cuda.Stream | None,
 ) -> None:
-    """The whole verify of every row: ``context_pass()`` (FlashMLA over the context keys, returning its out and lse)
-    on the current stream while ``mla_tree_tail`` attends the tree keys on ``side_stream``, then ``merge_context``
+    """The whole verify of every row: ``context_pass()`` (FlashMLA over the context keys and the root,
+    ``tree_mask.context_key_counts``, returning its out and lse) on the current stream while ``mla_tree_tail``
+    attends the other tree keys on ``side_stream``, then ``merge_context``
     on the current stream once both are done. ``side_stream`` None runs the two one after the other (CPU). The tree
     part is kept in ``out``'s dtype: in fp32 its extra bytes cost more than the overlap saves at many rows
     (measured: docs/results.md, section 6.4)."""
@@ -443,6 +451,7 @@ def split_verify(
             tree_out,
             tree_lse,
             max_query_len,
+            root_in_context=True,
         )
         context_out, context_lse = context_pass()
     else:
@@ -461,6 +470,7 @@ def split_verify(
                 tree_out,
                 tree_lse,
                 max_query_len,
+                root_in_context=True,
             )
         context_out, context_lse = context_pass()
         main_stream.wait_stream(side_stream)
