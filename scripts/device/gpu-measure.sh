@@ -33,6 +33,8 @@
 #                the dflash chain and ddtree, on generated GQA and MLA (8-128 heads, dense and MoE) targets; one job
 #                a config (6 bf16 V2 engines without torch.compile, 30-80 s each to start on the H200: ~5 min a
 #                config), lanes alternating; divergence-a (3 configs) and divergence-b (the other 4) fit a session each
+#   numerics-tests the GPU tests of the verify-numerics changes: MLA tail + GQA tree kernels with the context pass
+#                attending the root, the layout, the MLA backend and the end-to-end tests (one lane)
 #   divergence-ab  the divergence bench on one MLA and one GQA config with VLLM_DDTREE_PREFILL=ddtree (prefill
 #                chunks on the tree backends, as before backends/row_split.py): the A/B of that change
 #   jobs:FILE    the jobs listed in FILE, one per line: LANE NAME [K=V ...] ARGS... (runs python3 ARGS with those
@@ -116,6 +118,11 @@ jobs_of() {
       for c in $configs; do
         echo "$((n++ % 2)) div_$c bench/divergence.py --configs $c --out $r/divergence_$c.json"
       done ;;
+    numerics-tests)  # the GPU tests of what the verify numerics work changed (kernels, backends, end to end)
+      echo "0 tests_numerics_kernels -m pytest -q -s -m gpu -p no:cacheprovider tests/kernels/test_mla_tree_tail.py" \
+           "tests/kernels/test_gqa_tree_attention.py tests/unit/test_verify_layout.py"
+      echo "0 tests_numerics_e2e -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_mla_backend_gpu.py" \
+           "tests/gpu/test_ddtree_gpu_e2e.py" ;;
     divergence-ab)  # the same bench with the tree backends attending prefill chunks too (the plugin before)
       echo "0 div_prefill_ddtree_mla-h16-moe-l3 VLLM_DDTREE_PREFILL=ddtree bench/divergence.py --configs mla-h16-moe-l3" \
            "--out $r/divergence_prefill_ddtree_mla-h16-moe-l3.json"
@@ -125,7 +132,7 @@ jobs_of() {
       [ -f "${1#jobs:}" ] || { echo "no job file '${1#jobs:}'" >&2; return 2; }
       grep -v '^\s*\(#\|$\)' "${1#jobs:}" | sed "s|\$RESULTS|$r|g" ;;
     *) echo "unknown stage '$1': step-a, step-b, acceptance, ops, tests, recheck, profile, profile-b16, profile-4k, offsets, offsets-wide," \
-            "v1-plain, divergence, divergence-a, divergence-b, divergence-ab" \
+            "v1-plain, divergence, divergence-a, divergence-b, divergence-ab, numerics-tests" \
             "or jobs:FILE" >&2; return 2 ;;
   esac
 }
