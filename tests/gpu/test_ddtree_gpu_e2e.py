@@ -10,6 +10,7 @@ import pytest
 from kit.gpu_engine import (
     MAX_TOKENS,
     assert_equal_up_to_near_ties,
+    assert_no_more_divergent_than_the_chain,
     free,
     generate,
     generate_once,
@@ -146,6 +147,26 @@ def test_bf16_greedy_matches_target_up_to_near_ties(tiny_pair) -> None:
     spec = {"method": "ddtree", "model": str(tiny_pair[1]), "num_speculative_tokens": 15, "adaptive_budget": False}
     got = generate_once(str(tiny_pair[0]), batch_prompts, 8, dict(engine, speculative_config=spec))
     assert_equal_up_to_near_ties("bf16 ddtree budget 15", got, want, margins)
+
+
+def test_bf16_ddtree_leaves_the_target_no_more_often_than_vllms_chain(tiny_pair, monkeypatch) -> None:
+    """bf16 against vLLM's own chain of the same width (8 verify rows), every run on Model Runner V2: ddtree's greedy
+    output leaves the target's own (no speculation) on at most one prompt more than vLLM's DFlash chain at k = 7
+    does."""
+    import vllm.envs as envs
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # the plugin selects V2 only for ddtree
+    if envs._is_envs_cache_enabled():
+        envs.__getattr__.cache_clear()
+    target, drafter = str(tiny_pair[0]), str(tiny_pair[1])
+    engine = dict(ENGINE, dtype="bfloat16")
+    batch_prompts = prompts()
+    want = generate_once(target, batch_prompts, 8, engine)
+    spec = {"model": drafter, "num_speculative_tokens": 7}
+    chain = generate_once(target, batch_prompts, 8, dict(engine, speculative_config=dict(spec, method="dflash")))
+    tree_spec = dict(spec, method="ddtree", adaptive_budget=False)
+    tree = generate_once(target, batch_prompts, 8, dict(engine, speculative_config=tree_spec))
+    assert_no_more_divergent_than_the_chain("bf16 GQA, width 8", tree, chain, want)
 
 
 def _policy_state(llm) -> tuple[list[int], dict[int, float], int]:

@@ -17,6 +17,7 @@ import pytest
 from kit.gpu_engine import (
     MAX_TOKENS,
     assert_equal_up_to_near_ties,
+    assert_no_more_divergent_than_the_chain,
     free,
     generate,
     generate_with_margins,
@@ -111,6 +112,19 @@ def test_custom_backend_alone_matches_flashmla_up_to_near_ties(mla_pair, custom_
     own, split = custom_reference("auto", "ddtree")[0], custom_reference("auto", "flashmla")[0]
     assert_equal_up_to_near_ties("CUSTOM (our kernel) vs FLASHMLA", own, flash, margins)
     assert_equal_up_to_near_ties("CUSTOM (FlashMLA context + tail) vs FLASHMLA", split, flash, margins)
+
+
+def test_bf16_ddtree_leaves_the_target_no_more_often_than_vllms_chain(mla_pair, monkeypatch) -> None:
+    """Against vLLM as shipped (FLASHMLA, no speculation) and vLLM's DFlash chain at k = 7 on it: ddtree at budget 7
+    (8 verify rows, FlashMLA context + tree tail) leaves the target's greedy output on at most one prompt more than
+    the chain does."""
+    _use_v2(monkeypatch)
+    target, drafter = mla_pair
+    want, _ = _greedy(target, attention_backend="FLASHMLA")
+    spec = {"model": str(drafter), "num_speculative_tokens": 7}
+    chain, _ = _greedy(target, attention_backend="FLASHMLA", speculative_config=dict(spec, method="dflash"))
+    tree, _ = _greedy(target, speculative_config=dict(spec, method="ddtree", adaptive_budget=False))
+    assert_no_more_divergent_than_the_chain("bf16 MLA, width 8", tree, chain, want)
 
 
 @pytest.mark.parametrize(

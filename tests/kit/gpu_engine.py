@@ -67,6 +67,18 @@ def assert_equal_up_to_near_ties(
     assert seen.lossless, f"{label}: diverged where the reference had a clear winner: {seen.clear_divergences}"
 
 
+def assert_no_more_divergent_than_the_chain(
+    label: str, tree: list[list[int]], chain: list[list[int]], want: list[list[int]]
+) -> None:
+    """bf16 fidelity against vLLM's own chain (issue 36): ddtree's greedy output may leave the target's (``want``,
+    no speculation) on at most one sequence more than vLLM's DFlash chain of the same width does; prints both."""
+    from kit.greedy_equality import divergent_sequences
+
+    by_tree, by_chain = divergent_sequences(tree, want), divergent_sequences(chain, want)
+    print(f"{label}: ddtree leaves the target on {by_tree}, vLLM's chain on {by_chain} (of {len(want)})")
+    assert len(by_tree) <= len(by_chain) + 1, f"{label}: ddtree {by_tree} vs the chain {by_chain}"
+
+
 def generate_once(model: str, batch_prompts: list[dict], batch: int, engine: dict, **params) -> list[list[int]]:
     """``generate`` on a fresh engine that is freed before returning (in-process engines must not overlap)."""
     from vllm import LLM

@@ -47,6 +47,11 @@ def first_divergence(got: Sequence[int], want: Sequence[int]) -> int | None:
     return first
 
 
+def divergent_sequences(got: Sequence[Sequence[int]], want: Sequence[Sequence[int]]) -> list[int]:
+    """Indices of the sequences of ``got`` that leave ``want`` anywhere."""
+    return [i for i, (g, w) in enumerate(zip(got, want, strict=True)) if first_divergence(g, w) is not None]
+
+
 @dataclass
 class GreedyComparison:
     """How ``got`` compares with the reference ``want``, sequence by sequence."""
