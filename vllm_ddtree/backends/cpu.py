@@ -34,6 +34,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from vllm_ddtree.config import get_ddtree_config
+from vllm_ddtree.patches import versions
 from vllm_ddtree.tree_mask import current_tree_masks
 
 _DIGIT = 16
@@ -168,7 +169,8 @@ class DDTreeCPUAttentionImpl(CPUAttentionBackendImpl):
         if attn_metadata is None or not attn_metadata.tree_rows or masks is None or not masks.active:
             return output
         num_blocks, num_kv_heads, block_size, packed = kv_cache.shape
-        k_map, v_map = cache_layout(self.isa, kv_cache.dtype, block_size, self.head_size)
+        isa = versions.cpu_attention_isa(self, layer)
+        k_map, v_map = cache_layout(isa, kv_cache.dtype, block_size, self.head_size)
         slabs = kv_cache.view(num_blocks, num_kv_heads, block_size * packed)
         for b, q_start, q_len, seq_len in attn_metadata.tree_rows:
             num_seq_blocks = -(-seq_len // block_size)

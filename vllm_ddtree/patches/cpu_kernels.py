@@ -4,8 +4,8 @@ vLLM-CPU replaces the Triton ``expand_kernel`` of ``vllm.v1.sample.rejection_sam
 ``_ensure_int64(output)``; for a float32 output (per-token temperatures, top-p) that wrapper writes into a copy,
 so the real output stays uninitialised memory. Every sampled request that goes through speculative decoding on
 vLLM-CPU (vLLM's own chain sampler and DDTree's per-node sampling alike) then samples with garbage temperatures.
-The replacement is the kernel's contract in torch ops, for every dtype; the CPU runner installs it in
-``rejection_sampler`` when it builds (``CPUModelRunner._postprocess_triton`` reads ``cpu_triton_utils``).
+The replacement is the kernel's contract in torch ops, for every dtype, put where the installed vLLM-CPU takes its
+stand-in from (``versions.cpu_expand_kernel_seam``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from vllm_ddtree.patches import patch_attr
+from vllm_ddtree.patches import patch_attr, versions
 
 
 def expand_per_request(
@@ -42,6 +42,8 @@ class _Launch:
 
 def apply() -> None:
     """Install the CPU expand kernel (idempotent; only meaningful on vLLM-CPU, which ships ``cpu_triton_utils``)."""
-    import vllm.utils.cpu_triton_utils as cpu_triton_utils
+    import importlib
 
-    patch_attr(cpu_triton_utils, "expand_kernel", _Launch())
+    module, name = versions.cpu_expand_kernel_seam()
+    # 0.26 takes a ``kernel[grid]`` stand-in; 0.32 wraps the plain function in its own launcher.
+    patch_attr(importlib.import_module(module), name, _Launch() if name == "expand_kernel" else expand_per_request)

@@ -71,16 +71,19 @@ def _grammar_cut(scheduler: Any, request: Any, new_token_ids: list[int]) -> tupl
     return None
 
 
-def _update_request_with_output(self: Any, request: Any, new_token_ids: list[int]) -> tuple[list[int], bool]:
+def _update_request_with_output(
+    self: Any, request: Any, new_token_ids: list[int], *args: Any, **kwargs: Any
+) -> tuple[list[int], bool]:
     """vLLM's append-and-check-stop over the step's tokens up to where the grammar ends them; the request stops
-    there (its grammar is complete, or nothing could satisfy it) instead of failing in the scheduler."""
+    there (its grammar is complete, or nothing could satisfy it) instead of failing in the scheduler. Further
+    arguments (0.32's ``is_stale``) pass through."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
     cut = _grammar_cut(self, request, new_token_ids)
     if cut is None:
-        return Scheduler._orig__update_request_with_output(self, request, new_token_ids)
+        return Scheduler._orig__update_request_with_output(self, request, new_token_ids, *args, **kwargs)
     keep, status = cut
-    kept, stopped = Scheduler._orig__update_request_with_output(self, request, new_token_ids[:keep])
+    kept, stopped = Scheduler._orig__update_request_with_output(self, request, new_token_ids[:keep], *args, **kwargs)
     if not stopped:  # vLLM's own rules did not end it first (ignore_eos, min_tokens, a dead end)
         request.status = status
     return kept, True

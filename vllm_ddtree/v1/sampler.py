@@ -18,6 +18,7 @@ from vllm.v1.sample.rejection_sampler import RejectionSampler, apply_sampling_co
 
 from vllm_ddtree.accept import walk_trees
 from vllm_ddtree.kv_compact import compact_kv_slabs
+from vllm_ddtree.patches import versions
 from vllm_ddtree.v1.step_state import V1StepState
 
 _SAMPLING_EPS = 1e-5
@@ -121,7 +122,7 @@ class DDTreeRejectionSamplerV1(RejectionSampler):
                 continue
             caches = [layer.kv_cache for layer in layers]
             cache = caches[0]
-            k_map, v_map = cache_layout(layers[0].impl.isa, cache.dtype, cache.shape[2], cache.shape[3] // 2)
+            k_map, v_map = cache_layout(versions.cpu_attention_isa(layers[0].impl, layers[0]), cache.dtype, cache.shape[2], cache.shape[3] // 2)
             token_elems = torch.cat([k_map, v_map], dim=1).to(cache.device)
             compactors.append((group_id, partial(compact_kv_slabs, caches, token_elems)))
         return compactors
