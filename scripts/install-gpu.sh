@@ -12,7 +12,7 @@ if [ -n "${DDTREE_PYTHON:-}" ]; then
   echo "$DDTREE_PYTHON" >&3
   exit 0
 fi
-VENV="${DDTREE_VENV:-$HOME/.cache/vllm-ddtree/venv-gpu}"
+VENV="${DDTREE_VENV_DIR:-$HOME/.cache/vllm-ddtree}/venv-gpu"
 STAMP="$VENV/.ddtree-env-v1"
 if [ ! -f "$STAMP" ]; then
   echo "[install-gpu] creating $VENV (torch 2.11.0 + vllm 0.26.0 from PyPI, a few minutes)"

@@ -108,12 +108,25 @@ def test_the_build_compiles_these_sources() -> None:
 
 @pytest.mark.skipif(NVCC is None or shutil.which("c++") is None, reason="needs nvcc and a host C++ compiler")
 def test_binding_syntax() -> None:
+    """The binding against the installed torch's headers, in the C++ standard the extension build uses for it."""
     torch_ext = pytest.importorskip("torch.utils.cpp_extension")
+    from vllm_ddtree.kernels import ops
+
     cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
     incs = [f"-I{p}" for p in torch_ext.include_paths()] + [f"-I{cuda_home}/include"]
-    cmd = ["c++", "-std=c++17", "-fsyntax-only", *incs, f"-I{CSRC}", str(CSRC / "api" / "bindings.cpp")]
+    cmd = ["c++", f"-std={ops.cxx_standard()}", "-fsyntax-only", *incs, f"-I{CSRC}", str(CSRC / "api" / "bindings.cpp")]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
+
+
+@pytest.mark.parametrize(
+    ("torch_version", "standard"), [("2.11.0", "c++17"), ("2.13.0+cpu", "c++17"), ("2.14.0", "c++20")]
+)
+def test_cxx_standard_follows_torch(torch_version: str, standard: str) -> None:
+    """torch 2.14's ATen headers need C++20 (vLLM 0.33 pins it); older torch builds stay on C++17."""
+    from vllm_ddtree.kernels import ops
+
+    assert ops.cxx_standard(torch_version) == standard
 
 
 @pytest.mark.skipif(NVCC is None or shutil.which("c++") is None, reason="needs nvcc and a host C++ compiler")

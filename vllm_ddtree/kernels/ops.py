@@ -66,6 +66,14 @@ def _build_dir(src: Path, arch_list: str) -> tuple[str, Path]:
     return f"ddtree_C_{key}", d
 
 
+def cxx_standard(torch_version: str | None = None) -> str:
+    """The C++ standard torch's headers need: C++20 from torch 2.14 on (vLLM 0.33's torch), C++17 before."""
+    from packaging.version import Version
+
+    release = Version(torch_version or torch.__version__).release
+    return "c++20" if release >= (2, 14) else "c++17"
+
+
 def load_extension(verbose: bool = False) -> None:
     """Builds (once, cached) and loads the extension, which registers the ``torch.ops.ddtree`` ops; first refuses a
     misconfigured environment (``envs.check_environ``)."""
@@ -88,8 +96,8 @@ def load_extension(verbose: bool = False) -> None:
             name=name,
             sources=[str(src / s) for s in SOURCES],
             extra_include_paths=[str(src)],
-            extra_cflags=["-O3", "-std=c++17"],
-            extra_cuda_cflags=["-O3", "-std=c++17", "-lineinfo", "--threads=4"],
+            extra_cflags=["-O3", f"-std={cxx_standard()}"],
+            extra_cuda_cflags=["-O3", f"-std={cxx_standard()}", "-lineinfo", "--threads=4"],
             build_directory=str(bdir),
             is_python_module=False,
             verbose=verbose,

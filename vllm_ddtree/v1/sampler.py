@@ -122,7 +122,8 @@ class DDTreeRejectionSamplerV1(RejectionSampler):
                 continue
             caches = [layer.kv_cache for layer in layers]
             cache = caches[0]
-            k_map, v_map = cache_layout(versions.cpu_attention_isa(layers[0].impl, layers[0]), cache.dtype, cache.shape[2], cache.shape[3] // 2)
+            isa = versions.cpu_attention_isa(layers[0].impl, layers[0])
+            k_map, v_map = cache_layout(isa, cache.dtype, cache.shape[2], cache.shape[3] // 2)
             token_elems = torch.cat([k_map, v_map], dim=1).to(cache.device)
             compactors.append((group_id, partial(compact_kv_slabs, caches, token_elems)))
         return compactors
