@@ -98,6 +98,16 @@ def test_cu_builds_for_80_90_120(src: str, tmp_path: Path) -> None:
         assert "HMMA" in sass.stdout and "LDSM" in sass.stdout, "sm_120 SASS lacks HMMA/LDSM"
 
 
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found (set CUDA_HOME); the CUDA build check needs the toolkit")
+@pytest.mark.parametrize("src", CU_SOURCES)
+def test_cu_builds_in_cxx20(src: str, tmp_path: Path) -> None:
+    """With torch >= 2.14 the extension builds in C++20 (``ops.cxx_standard``); the kernels compile there too (sm_90
+    only: the C++ dialect does not depend on the arch)."""
+    cmd = [NVCC, "-std=c++20", "-O3", f"-I{CSRC}", "-c", str(CSRC / src), "-o", str(tmp_path / "k.o")]
+    res = subprocess.run([*cmd, "-gencode=arch=compute_90,code=sm_90"], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+
+
 def test_the_build_compiles_these_sources() -> None:
     pytest.importorskip("torch")
     from vllm_ddtree.kernels import ops
