@@ -221,12 +221,9 @@ SEAMS: list[Seam] = [
     ),
     *attrs("common", "vllm.v1.request.Request", "structured_output_request sampling_params status"),
     *attrs("common", "vllm.v1.structured_output.StructuredOutputManager", "reasoner_cls enable_in_reasoning"),
-    # Whether the scheduler advances the grammar by exactly the step's tokens (a reasoning parser may hold it back).
-    *attrs(
-        "common",
-        "vllm.v1.structured_output.request.StructuredOutputRequest",
-        "grammar reasoning_ended reasoning_end_token_index",
-    ),
+    # Whether the scheduler advances the grammar by exactly the step's tokens (a reasoning parser may hold it back;
+    # what else the installed release reads for it: ``version_seams``).
+    *attrs("common", "vllm.v1.structured_output.request.StructuredOutputRequest", "grammar reasoning_ended"),
     params(
         "common",
         "vllm.v1.structured_output.backend_types.StructuredOutputGrammar.validate_tokens",
@@ -328,6 +325,9 @@ SEAMS: list[Seam] = [
         "logits, cu_num_draft_tokens, sampling_metadata, [...]",
     ),
     params("cpu", "vllm.v1.outputs.SamplerOutput.__init__", "self, sampled_token_ids, logprobs_tensors, [...]"),
+    # patches/cpu_kernels.py: top-k over no rows; vLLM's CPU path reaches it through the module global.
+    params("cpu", "vllm.v1.sample.ops.topk_topp_sampler.apply_top_k_only", "logits, k"),
+    source("cpu", "vllm.v1.sample.ops.topk_topp_sampler.apply_top_k_top_p_pytorch", "apply_top_k_only(logits, k)"),
     *attrs("cpu", "vllm.v1.spec_decode.metadata.SpecDecodeMetadata", "draft_token_ids num_draft_tokens max_spec_len"),
     # backends/cpu.py: CPU_ATTN plus tree rows.
     params(
@@ -592,6 +592,7 @@ SEAMS: list[Seam] = [
     params("cuda", f"{MLA}.MLACommonBackend.supports_compute_capability", "cls, capability"),
 ]
 
+STRUCTURED = "vllm.v1.structured_output"
 EXPAND_PARAMS = "output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS"
 
 
@@ -613,7 +614,16 @@ def version_seams() -> list[Seam]:
         isa = attrs("cpu", f"{CPU_ATTN}.CPUAttentionBackendImpl", "isa")
     else:  # the metadata builder writes it on every attention layer of its group
         isa = [source("cpu", f"{CPU_ATTN}.CPUAttentionMetadataBuilder", "layer.isa = ")]
-    return [*expand, *isa]
+    # 0.26 also reads where reasoning ended within the step; 0.32 trims reasoning tokens in the manager itself.
+    reasoning = []
+    manager = types.SimpleNamespace(reasoner_cls=object, enable_in_reasoning=False)
+    try:
+        versions.grammar_takes_whole_step(manager, types.SimpleNamespace(reasoning_ended=True))
+    except AttributeError:
+        reasoning = attrs("common", f"{STRUCTURED}.request.StructuredOutputRequest", "reasoning_end_token_index")
+    else:
+        reasoning = [source("common", f"{STRUCTURED}.StructuredOutputManager.accept_tokens", "_get_constraint_bounds")]
+    return [*expand, *isa, *reasoning]
 
 
 # ---- The checks (run in the subprocess, where vLLM is imported) ----
@@ -855,6 +865,7 @@ CPU_PATCHED = {  # plus the expand-kernel seam of the installed version (version
     "vllm.v1.worker.gpu_input_batch.InputBatch.swap_states",
     "vllm.v1.worker.gpu_input_batch.InputBatch.condense",
     "vllm.v1.worker.cpu_model_runner.CPUModelRunner.warming_up_model",
+    "vllm.v1.sample.ops.topk_topp_sampler.apply_top_k_only",
 }
 CUDA_PATCHED = {
     f"{V2R}.__init__",

