@@ -13,6 +13,9 @@
 * ``SamplingParams._validate_spec_decode``: with speculative decoding vLLM's rejection sampler returns
   ``logprob_token_ids`` for the first step only, and the server then fails building the response (a 500). A ddtree
   engine refuses such requests, as vLLM itself refuses ``min_p`` and ``logit_bias``.
+
+Refusals raise ``VLLMValidationError``, which every supported release answers with a 400 (0.26 maps ``ValueError``s
+to 400; 0.32 maps only its ``VLLMClientError``s, and a plain ``ValueError`` there is a 500).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from vllm_ddtree.patches import patch_attr
 
 
 def _validate_model_input(self: Any, prompt_input: Any, prompt_type: Any) -> None:
+    from vllm.exceptions import VLLMValidationError
     from vllm.v1.engine.input_processor import InputProcessor
 
     InputProcessor._orig__validate_model_input(self, prompt_input, prompt_type)
@@ -34,15 +38,21 @@ def _validate_model_input(self: Any, prompt_input: Any, prompt_type: Any) -> Non
     vocab_size = self.model_config.get_vocab_size()
     largest = max(ids, default=0)
     if largest >= vocab_size:
-        raise ValueError(f"Token id {largest} is out of vocabulary (the model has {vocab_size} tokens)")
+        raise VLLMValidationError(
+            f"Token id {largest} is out of vocabulary (the model has {vocab_size} tokens)", parameter="prompt"
+        )
 
 
 def _validate_spec_decode(self: Any, speculative_config: Any) -> None:
+    from vllm.exceptions import VLLMValidationError
     from vllm.sampling_params import SamplingParams
 
     SamplingParams._orig__validate_spec_decode(self, speculative_config)
     if get_ddtree_config(speculative_config) is not None and self.logprob_token_ids:
-        raise ValueError("The logprob_token_ids sampling parameter is not yet supported with speculative decoding.")
+        raise VLLMValidationError(
+            "The logprob_token_ids sampling parameter is not yet supported with speculative decoding.",
+            parameter="logprob_token_ids",
+        )
 
 
 _SAGEMAKER_ROUTER = "vllm.entrypoints.serve.sagemaker.api_router"
