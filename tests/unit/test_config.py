@@ -155,8 +155,9 @@ def test_engine_args_build_a_dflash_config_with_ddtree_attached(tiny_pair: tuple
     assert spec_cfg.method == "dflash"
     assert spec_cfg.num_speculative_tokens == 16
     assert get_ddtree_config(config) == DDTreeConfig(budget=16, topk=4, max_depth=7)
-    # A DDTree drafter adds max_depth-1 mask slots per request, not budget-1.
-    assert spec_cfg.max_num_new_slots_for_drafting == 6
+    # A DDTree drafter adds the slots of a DFlash chain of max_depth (7) drafts, not of budget (16) drafts.
+    chain_slots = type(spec_cfg)._orig_max_num_new_slots_for_drafting.fget(spec_cfg)  # vLLM's, for K = 16
+    assert spec_cfg.max_num_new_slots_for_drafting == chain_slots - 16 + 7
     # The user's dict is untouched, so building the config again gives the same answer.
     assert args.speculative_config == spec
     assert get_ddtree_config(args.create_engine_config()) == get_ddtree_config(config)
@@ -197,7 +198,9 @@ def test_plain_dflash_is_untouched(tiny_pair: tuple[Path, Path]) -> None:
     )
     config = args.create_engine_config()
     assert get_ddtree_config(config) is None
-    assert config.speculative_config.max_num_new_slots_for_drafting == 4
+    spec = config.speculative_config
+    assert spec.max_num_new_slots_for_drafting == type(spec)._orig_max_num_new_slots_for_drafting.fget(spec)
+    assert spec.max_num_new_slots_for_drafting in (4, 5)  # K - 1 on 0.26, K (bonus query included) on 0.32
 
 
 def test_cuda_selects_model_runner_v2_and_refuses_an_explicit_v1(monkeypatch: pytest.MonkeyPatch) -> None:

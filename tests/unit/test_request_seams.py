@@ -32,7 +32,14 @@ from fastapi.testclient import TestClient
 from vllm.entrypoints.openai.chat_completion.api_router import attach_router as attach_chat
 from vllm.entrypoints.openai.completion.api_router import attach_router as attach_completion
 from vllm.entrypoints.serve.sagemaker.api_router import attach_router as attach_sagemaker
-from vllm.entrypoints.serve.utils.server_utils import exception_handler, validation_exception_handler
+try:  # vLLM 0.32 registers the API server's exception handlers in one function
+    from vllm.entrypoints.serve.exception_handling.register import init_exception_handler
+except ImportError:  # 0.26
+    from vllm.entrypoints.serve.utils.server_utils import exception_handler, validation_exception_handler
+
+    def init_exception_handler(app):
+        app.exception_handler(RequestValidationError)(validation_exception_handler)
+        app.exception_handler(Exception)(exception_handler)
 
 app = FastAPI()
 app.state.args = Namespace(log_error_stack=False)
@@ -41,8 +48,7 @@ app.state.openai_serving_chat = None
 attach_completion(app)
 attach_chat(app)
 attach_sagemaker(app, ("generate",), None)
-app.exception_handler(RequestValidationError)(validation_exception_handler)
-app.exception_handler(Exception)(exception_handler)
+init_exception_handler(app)
 client = TestClient(app, raise_server_exceptions=False)
 out = []
 for path, body, kind in json.loads(input()):

@@ -11,6 +11,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.v2
+
 REPO = Path(__file__).resolve().parents[2]
 
 CHECK = textwrap.dedent(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from types import SimpleNamespace
 
 import numpy as np
@@ -99,15 +100,16 @@ def test_swapping_two_requests_swaps_their_allowed_token_masks() -> None:
     from vllm_ddtree.patches import v1
 
     v1.apply()
+    sizes = {"block_sizes": [16], "max_num_blocks_per_req": [4]}
+    if "kernel_block_sizes" in inspect.signature(InputBatch).parameters:  # vLLM 0.26; 0.32 dropped it
+        sizes["kernel_block_sizes"] = [16]
     batch = InputBatch(
         max_num_reqs=3,
         max_model_len=64,
         max_num_batched_tokens=64,
         device=torch.device("cpu"),
         vocab_size=5,
-        block_sizes=[16],
-        kernel_block_sizes=[16],
-        max_num_blocks_per_req=[4],
+        **sizes,
     )
     batch._req_ids, batch.req_id_to_index = ["a", "b", "c"], {"a": 0, "b": 1, "c": 2}
     batch.req_output_token_ids = [[], [], []]

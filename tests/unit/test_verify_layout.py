@@ -207,6 +207,7 @@ INTERPRETER_CHECK = textwrap.dedent(
 )
 
 
+@pytest.mark.v2
 def test_triton_layout_kernel_matches_reference() -> None:
     env = dict(
         os.environ,

@@ -2,8 +2,8 @@
 
 * ``EngineArgs.create_speculative_config``: turn the user's ddtree dict into vLLM's DFlash config plus an attached
   :class:`~vllm_ddtree.config.DDTreeConfig` (``SpeculativeConfig.ddtree``), and pick Model Runner V2 on CUDA.
-* ``SpeculativeConfig.max_num_new_slots_for_drafting``: a DDTree drafter adds ``max_depth - 1`` mask tokens per
-  request, not ``budget - 1`` as a DFlash chain of the same width would.
+* ``SpeculativeConfig.max_num_new_slots_for_drafting``: a DDTree drafter adds the slots of a DFlash chain of
+  ``max_depth`` drafts per request, not of ``budget`` drafts as a chain of the same width would.
 
 With an adaptive budget the resulting config also names every candidate budget in vLLM's
 ``num_speculative_tokens_per_batch_size``, which makes Model Runner V2 capture FULL decode graphs for each of them
@@ -173,13 +173,16 @@ def create_speculative_config(self: Any, target_model_config: Any, target_parall
 
 
 def _max_num_new_slots_for_drafting(self: Any) -> int:
-    """SpeculativeConfig.max_num_new_slots_for_drafting, sized by tree depth for DDTree."""
+    """SpeculativeConfig.max_num_new_slots_for_drafting, sized by tree depth for DDTree: vLLM's count for a DFlash
+    chain of ``max_depth`` drafts instead of ``budget`` (the drafter predicts ``max_depth`` positions whatever the
+    budget). vLLM's count is the number of drafts plus a constant (0.26: K - 1; 0.32: K, the bonus query too)."""
     from vllm.config import SpeculativeConfig
 
+    slots = SpeculativeConfig._orig_max_num_new_slots_for_drafting.fget(self)
     ddtree = get_ddtree_config(self)
     if ddtree is None:
-        return SpeculativeConfig._orig_max_num_new_slots_for_drafting.fget(self)
-    return ddtree.max_depth - 1
+        return slots
+    return slots - self.num_speculative_tokens + ddtree.max_depth
 
 
 def apply() -> None:
