@@ -366,6 +366,7 @@ def interpreter_results() -> dict[str, bool]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.v2
 @pytest.mark.parametrize("name", [c[0] for c in KERNEL_CASES] + ["hazard"])
 def test_triton_kernel_interpreter_matches_reference(interpreter_results: dict[str, bool], name: str) -> None:
     assert interpreter_results[name]
