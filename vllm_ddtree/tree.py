@@ -7,7 +7,8 @@ score never rises along a path, so the selected set is prefix-closed and the sel
 
 Three implementations that produce bit-identical ``DraftTrees``:
 
-* ``build_trees_reference``: the lazy best-first heap of the DDTree paper, in plain Python. It is the spec.
+* ``build_trees_reference``: the lazy best-first heap of the DDTree paper, in plain Python. It is the spec, and
+  the CPU's fast path (vLLM-CPU).
 * ``build_trees_torch``: the same search, vectorised over the batch with static shapes (CPU and CUDA).
 * ``build_trees_triton``: one Triton program per request, the search held in registers (CUDA).
 
@@ -303,8 +304,12 @@ def build_trees_triton(topk_logprobs: torch.Tensor, topk_ids: torch.Tensor, budg
 
 
 def build_trees(topk_logprobs: torch.Tensor, topk_ids: torch.Tensor, budget: int) -> DraftTrees:
-    """Build the draft trees: the Triton kernel on CUDA where its packed state holds D and K, else the torch path."""
+    """Build the draft trees: on CUDA the Triton kernel where its packed state holds D and K, else the torch path;
+    on the CPU the heap, whose few Python operations a node beat the torch path's thirty-odd tensor launches a node
+    (each a few microseconds of dispatch on a CPU)."""
+    if not topk_logprobs.is_cuda:
+        return build_trees_reference(topk_logprobs, topk_ids, budget)
     d, k = topk_logprobs.shape[1:]
-    if topk_logprobs.is_cuda and max(d, k) <= _MAX_PACKED:
+    if max(d, k) <= _MAX_PACKED:
         return build_trees_triton(topk_logprobs, topk_ids, budget)
     return build_trees_torch(topk_logprobs, topk_ids, budget)

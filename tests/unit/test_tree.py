@@ -190,9 +190,10 @@ def test_rejects_trees_wider_than_one_word(builder) -> None:
         builder(lp, ids, 64)
 
 
-def test_build_trees_cpu_uses_torch_path() -> None:
+def test_build_trees_cpu_is_the_heap_and_matches_torch() -> None:
     lp, ids = random_inputs(np.random.default_rng(5), 4, 8, 4, "half")
-    assert_same(build_trees(lp, ids, 20), build_trees_reference(lp, ids, 20))
+    assert_same(build_trees(lp, ids, 20), build_trees_torch(lp, ids, 20))
+    assert build_trees(lp, ids, 20).node_tokens.device.type == "cpu"
 
 
 def test_rejects_bad_inputs() -> None:
