@@ -6,8 +6,9 @@ budgets, ddtree with its adaptive budget) the sweep starts the OpenAI server wit
 health, and at each concurrency runs one warm-up pass and then ``--passes`` timed passes of ``vllm bench serve``
 (custom dataset of the held-out prompts, ``--output-len`` tokens each, temperature 0, ignore EOS), each pass long
 enough to last ``--min-seconds``. It reads ``/metrics`` around the timed passes for acceptance, then stops the
-server. Output: JSON (``meta``: commit, vLLM, torch, GPU), a table on stdout, and a PNG (tok/s vs concurrency, one
-line per config) with ``--plot``.
+server. ``--interleave`` instead keeps every config's server up side by side and alternates their timed passes
+(for a machine whose speed drifts, such as a shared 2-core VM). Output: JSON (``meta``: commit, vLLM, torch, GPU),
+a table on stdout, and a PNG (tok/s vs concurrency, one line per config) with ``--plot``.
 
     python bench/serve_sweep.py --out bench/results/serve_sweep_h200.json            # the GPU sweep
     python bench/serve_sweep.py --pairs gqa --configs nospec ddtree-15 adaptive-15 \\
@@ -134,21 +135,21 @@ def bench_pass(url: str, pair: str, dataset: Path, num_prompts: int, concurrency
     return data
 
 
-def measure_concurrency(url: str, pair: str, dataset: Path, size: int, concurrency: int, args: argparse.Namespace,
-                        workdir: Path) -> dict[str, Any]:  # fmt: skip
-    """Warm-up pass, then timed passes sized from it to last ``min_seconds`` each; acceptance over the timed ones."""
-    from vllm_ddtree.launch import mean_acceptance_length, spec_decode_counters
-
+def size_passes(url: str, pair: str, dataset: Path, size: int, concurrency: int, args: argparse.Namespace,
+                workdir: Path) -> int:  # fmt: skip
+    """One warm-up pass; the number of prompts that makes a timed pass last ``min_seconds``."""
     warm_prompts = min(size, max(2 * concurrency, 16))
     warm = bench_pass(url, pair, dataset, warm_prompts, concurrency, args.output_len, workdir)
     per_request = max(warm["duration"], 1e-3) / max(warm["completed"], 1)
     wanted = math.ceil(1.25 * args.min_seconds / per_request)
-    num_prompts = min(size, max(wanted, 2 * concurrency, 16))
-    before = spec_decode_counters(url)
-    passes = [bench_pass(url, pair, dataset, num_prompts, concurrency, args.output_len, workdir)
-              for _ in range(args.passes)]  # fmt: skip
-    after = spec_decode_counters(url)
-    delta = {k: after[k] - before[k] for k in after}
+    return min(size, max(wanted, 2 * concurrency, 16))
+
+
+def summarize_cell(concurrency: int, num_prompts: int, passes: list[dict[str, Any]],
+                   delta: dict[str, float]) -> dict[str, Any]:  # fmt: skip
+    """Median tok/s and spread of the timed passes; acceptance from the ``/metrics`` counters around them."""
+    from vllm_ddtree.launch import mean_acceptance_length
+
     tok_s = [p["output_throughput"] for p in passes]
     median = statistics.median(tok_s)
     return {
@@ -166,6 +167,22 @@ def measure_concurrency(url: str, pair: str, dataset: Path, size: int, concurren
         if delta.get("num_drafts")
         else None,
     }
+
+
+def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before[k] for k in after}
+
+
+def measure_concurrency(url: str, pair: str, dataset: Path, size: int, concurrency: int, args: argparse.Namespace,
+                        workdir: Path) -> dict[str, Any]:  # fmt: skip
+    """Warm-up pass, then timed passes sized from it to last ``min_seconds`` each; acceptance over the timed ones."""
+    from vllm_ddtree.launch import spec_decode_counters
+
+    num_prompts = size_passes(url, pair, dataset, size, concurrency, args, workdir)
+    before = spec_decode_counters(url)
+    passes = [bench_pass(url, pair, dataset, num_prompts, concurrency, args.output_len, workdir)
+              for _ in range(args.passes)]  # fmt: skip
+    return summarize_cell(concurrency, num_prompts, passes, counter_delta(before, spec_decode_counters(url)))
 
 
 def profile_pass(url: str, pair: str, dataset: Path, num_prompts: int, concurrency: int, args: argparse.Namespace,
@@ -217,6 +234,49 @@ def run_config(pair: str, config: str, series: str, args: argparse.Namespace, gp
         record["log_tail"] = log.read_text()[-4000:] if log.exists() else ""
         print(f"  {pair} {config} {series}: FAILED {record['error'][:300]}", flush=True)
     return record
+
+
+def run_interleaved(pair: str, configs: list[str], series: str, args: argparse.Namespace, gpu: bool, workdir: Path,
+                    dataset: Path, size: int) -> list[dict[str, Any]]:  # fmt: skip
+    """Every config's server up side by side (an idle server costs under 1 % of a core), and at each concurrency
+    the timed passes alternate between them, the order rotating every round: a machine whose speed drifts over
+    minutes (a shared 2-core VM) slows every config alike instead of whichever ran then."""
+    from contextlib import ExitStack
+
+    from vllm_ddtree.launch import openai_server, spec_decode_counters
+
+    records = {c: {"pair": pair, "config": c, "series": series, "interleaved": True, "cells": []} for c in configs}
+    urls: dict[str, str] = {}
+    with ExitStack() as servers:
+        for config in configs:
+            log = (args.logs or workdir) / f"server-{pair}-{config}-{series}.log"
+            start = time.time()
+            try:
+                served = server_args(pair, config, gpu, series == "tuned")
+                no_plugins = {"VLLM_PLUGINS": ""} if config.startswith("vllmchain") else None
+                urls[config] = servers.enter_context(
+                    openai_server(served, env=no_plugins, timeout_s=1200, log_path=str(log))
+                )
+                records[config]["startup_s"] = round(time.time() - start, 1)
+            except Exception as err:  # one config failing must not lose the others' numbers
+                records[config]["error"] = f"{type(err).__name__}: {err}"[-2000:]
+                records[config]["log_tail"] = log.read_text()[-4000:] if log.exists() else ""
+                print(f"  {pair} {config} {series}: FAILED {records[config]['error'][:300]}", flush=True)
+        live = [c for c in configs if c in urls]
+        for c in args.concurrency:
+            sizes = {k: size_passes(urls[k], pair, dataset, size, c, args, workdir) for k in live}
+            before = {k: spec_decode_counters(urls[k]) for k in live}
+            passes: dict[str, list[dict[str, Any]]] = {k: [] for k in live}
+            for round_ in range(args.passes):
+                for k in live[round_ % len(live) :] + live[: round_ % len(live)]:
+                    passes[k].append(bench_pass(urls[k], pair, dataset, sizes[k], c, args.output_len, workdir))
+            for k in live:
+                delta = counter_delta(before[k], spec_decode_counters(urls[k]))
+                cell = summarize_cell(c, sizes[k], passes[k], delta)
+                records[k]["cells"].append(cell)
+                print(f"  {pair} {k} {series} c{c}: {cell['median_tok_s']} tok/s (spread {cell['spread']}, "
+                      f"acceptance {cell['acceptance_length']})", flush=True)  # fmt: skip
+    return [records[c] for c in configs]
 
 
 def is_baseline(config: str) -> bool:
@@ -312,6 +372,12 @@ def main() -> int:
         "profiler; its trace summary goes into the cell and the logs",
     )
     parser.add_argument("--tuned", action="store_true", help="add the repo's tuned settings as a second series")
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="run every config's server side by side and alternate their timed passes (vLLM-CPU: a shared "
+        "machine's drift then slows all configs alike; on a GPU each server takes vLLM's default memory share)",
+    )
     parser.add_argument("--out", type=Path, help="JSON to write (and update after every config)")
     parser.add_argument("--logs", type=Path, help="keep each server's log in this folder (default: discarded)")
     parser.add_argument("--plot", type=Path, help="only draw the PNG of an existing sweep JSON")
@@ -324,6 +390,8 @@ def main() -> int:
         return merge(args.merge, args.out)
     for config in args.configs:
         speculative_config(config, Path("."))
+    if args.interleave and args.profile_at:
+        raise SystemExit("--profile-at profiles one server at a time; run it without --interleave")
 
     import torch
     from meta import repo_path, run_meta
@@ -346,6 +414,11 @@ def main() -> int:
             dataset = workdir / f"{pair}.jsonl"
             size = write_dataset(pair, dataset)
             for s in series:
+                if args.interleave:
+                    records.extend(run_interleaved(pair, args.configs, s, args, gpu, workdir, dataset, size))
+                    if args.out:
+                        args.out.write_text(json.dumps(report, indent=1) + "\n")
+                    continue
                 for config in args.configs:
                     records.append(run_config(pair, config, s, args, gpu, workdir, dataset, size))
                     if args.out:

@@ -312,11 +312,15 @@ class AdaptiveBudget:
         if now - self._logged_at >= LOG_INTERVAL_S:
             self._logged_at = now
             seen = self.stats.expected()
+            costs = {b: self.costs.cost(num_reqs, b) for b in self.budgets}
             logger.info(
-                "DDTree adaptive budget: the last %d steps verified %s; accepted drafts by budget %s",
+                "DDTree adaptive budget: the last %d steps verified %s; accepted drafts by budget %s; "
+                "step ms by budget at %d requests %s",
                 sum(self._recent.values()),
                 ", ".join(f"{b} nodes {n}x" for b, n in sorted(self._recent.items())),
                 {b: round(a, 2) for b, a in sorted(seen.items())},
+                num_reqs,
+                {b: round(c * 1e3, 2) for b, c in costs.items() if c is not None},
             )
             self._recent.clear()
         return k
