@@ -20,6 +20,8 @@
 #   serve-profile  the MLA pair under vLLM's default serving config at concurrency 1 4 16, with one profiled pass at
 #                16 (bench/trace_summary.py): ddtree 15 fixed, V2 chain k=7 (with and without this plugin loaded),
 #                ddtree adaptive 15, no spec
+#   serve-load   the MLA pair under vLLM's default serving config at concurrency 16 64 128 (where load lives): no
+#                spec, V2 chain k=7, ddtree adaptive 15, one job a config (~7 min each: JOB_TIMEOUT=700)
 #   recheck      the GPU tests of the V2 host trims (context K/V + combine graphs, e2e GQA, MLA matches-target) and
 #                of the MLA query pack, then its bench (one lane)
 #   profile      Kimi-K2-attention MLA, budgets 8 16, 32k, batch 1: a torch.profiler table per config (V2 chain, ddtree)
@@ -86,6 +88,12 @@ jobs_of() {
         echo "0 profile_mla_$c bench/serve_sweep.py --pairs mla --configs $c --concurrency 1 4 16 --profile-at 16" \
              "--logs $r/serve_logs --out $r/sweep_mla_$c.json"
       done ;;
+    serve-load)
+      local c
+      for c in nospec chain-7 adaptive-15; do
+        echo "0 load_mla_$c bench/serve_sweep.py --pairs mla --configs $c --concurrency 16 64 128" \
+             "--logs $r/serve_logs --out $r/load_mla_$c.json"
+      done ;;
     recheck)
       echo "0 tests_e2e -m pytest -q -s -m gpu -p no:cacheprovider tests/unit/test_context_kv_graphs.py" \
            "tests/gpu/test_ddtree_gpu_e2e.py"
@@ -132,7 +140,8 @@ jobs_of() {
       [ -f "${1#jobs:}" ] || { echo "no job file '${1#jobs:}'" >&2; return 2; }
       grep -v '^\s*\(#\|$\)' "${1#jobs:}" | sed "s|\$RESULTS|$r|g" ;;
     *) echo "unknown stage '$1': step-a, step-b, acceptance, ops, tests, recheck, profile, profile-b16, profile-4k, offsets, offsets-wide," \
-            "v1-plain, divergence, divergence-a, divergence-b, divergence-ab, numerics-tests" \
+            "v1-plain, divergence, divergence-a, divergence-b, divergence-ab, numerics-tests, serve-sweep, serve-profile," \
+            "serve-load, adaptive, load-faults" \
             "or jobs:FILE" >&2; return 2 ;;
   esac
 }
