@@ -16,9 +16,9 @@ configured budget) for a batch of ``r`` requests by maximising ``(1 + E[accepted
 
 Budgets never seen get the optimistic ``min(k, max_depth)`` until a step shows them; in a request-count bucket
 first seen each budget runs a burst of ``EXPLORE_BURST`` steps, and then every ``EXPLORE_EVERY`` choices a
-neighbouring budget above 0 that is not far behind runs a burst, and every ``SWITCH_EXPLORE_EVERY`` the other side
-of the speculation switch, so the estimates follow the traffic. Switching speculation off or on for good waits
-``MODE_DWELL`` choices after the last such switch. ``VLLM_DDTREE_ADAPTIVE_FORCE``
+neighbouring budget above 0 that is not far behind runs a burst, and now and then the other side of the speculation
+switch (``switch_explore_interval``), so the estimates follow the traffic. Speculation switches off as soon as it
+stops paying, and on again only ``MODE_DWELL`` choices after the last switch. ``VLLM_DDTREE_ADAPTIVE_FORCE``
 replaces the choice by a fixed cycle of budgets (tests and benches).
 """
 
@@ -43,11 +43,17 @@ turn), to keep its acceptance and cost estimates current."""
 EXPLORE_WITHIN = 0.7
 """Only budgets expected at this fraction of the best's tokens per second or more are explored."""
 MODE_DWELL = 32
-"""Choices between switching speculation off and on again: a step without drafts skips the drafter pass, so its
-requests' drafter context has a gap there; switches are kept rare (budgets above 0 switch freely)."""
+"""Choices after a switch of speculation before it may switch on again: a step without drafts skips the drafter pass,
+so its requests' drafter context has a gap there, and switches are kept rare. Switching off never waits: a batch
+that grew (a burst of arrivals after a quiet spell) must not verify trees it cannot afford for the dwell's steps
+(budgets above 0 switch freely)."""
 SWITCH_EXPLORE_EVERY = 512
-"""Every this many choices the other side of the speculation switch runs a burst (no drafts while speculating, the
-best budget while not), so a cost or acceptance estimate gone stale on that side cannot pin the choice."""
+"""At least this many choices between bursts of the other side of the speculation switch (no drafts while
+speculating, the best budget while not), so a cost or acceptance estimate gone stale on that side cannot pin the
+choice."""
+SWITCH_EXPLORE_SHARE = 0.02
+"""While not speculating, the trees' bursts may take at most this share of the steps' time: where a tree step costs
+many plain ones (a compute-bound CPU), they come rarer than every ``SWITCH_EXPLORE_EVERY`` choices."""
 EXPLORE_BURST = 4
 """Consecutive steps an explored budget runs (its first step follows another budget and is not observed)."""
 RATIO_WINDOW = 16
@@ -268,6 +274,7 @@ class AdaptiveBudget:
         self._tries: dict[tuple[int, int], int] = {}
         self._burst = (0, 0)
         self._mode, self._mode_since = self.budgets[-1], 0
+        self._switch_explored_at = 0
         self.chosen: Counter[int] = Counter()
         """How often each budget was chosen (tests, benches)."""
         self._recent: Counter[int] = Counter()
@@ -346,12 +353,16 @@ class AdaptiveBudget:
         if 0 in value and (best == 0 or value[best] < SPECULATION_MARGIN * value[0]):
             best = 0
         if (best == 0) != (self._mode == 0):
-            if self._choices - self._mode_since < MODE_DWELL:
-                best = self._mode if self._mode == 0 or not speculating else speculating[0][1]
+            if best > 0 and self._choices - self._mode_since < MODE_DWELL:
+                best = 0  # switching on waits for the dwell, switching off does not
             else:
                 self._mode, self._mode_since = best, self._choices
-        if self._choices % SWITCH_EXPLORE_EVERY == 0 and (best > 0 or speculating):
-            return self._start_burst(0 if best > 0 else speculating[0][1])  # the other side of the switch
+        other = 0 if best > 0 else speculating[0][1] if speculating else None
+        if other is not None and self._choices - self._switch_explored_at >= self.switch_explore_interval(
+            num_reqs, best, other
+        ):
+            self._switch_explored_at = self._choices
+            return self._start_burst(other)  # the other side of the switch
         if self._choices % EXPLORE_EVERY == 0 and best > 0:
             upward = (self._choices // EXPLORE_EVERY) % 2 == 1
             neighbours = [k for _, k in speculating if (k > best if upward else k < best)]
@@ -359,6 +370,15 @@ class AdaptiveBudget:
             if neighbours:
                 return self._start_burst(min(neighbours) if upward else max(neighbours))
         return best
+
+    def switch_explore_interval(self, num_reqs: int, best: int, other: int) -> int:
+        """Choices between bursts of ``other`` (the other side of the speculation switch) while ``best`` runs:
+        ``SWITCH_EXPLORE_EVERY``, or more where a burst of ``other`` would take over ``SWITCH_EXPLORE_SHARE`` of
+        the time."""
+        cost_best, cost_other = self.costs.cost(num_reqs, best), self.costs.cost(num_reqs, other)
+        if not cost_best or not cost_other:
+            return SWITCH_EXPLORE_EVERY
+        return max(SWITCH_EXPLORE_EVERY, math.ceil(EXPLORE_BURST * cost_other / cost_best / SWITCH_EXPLORE_SHARE))
 
     def _start_burst(self, k: int) -> int:
         """Run ``k`` for ``EXPLORE_BURST`` consecutive steps: a step's time is observed only after a step of the

@@ -3,6 +3,8 @@ choice, and the stand-in for vLLM's dynamic speculative-decoding lookup."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -12,6 +14,8 @@ from vllm_ddtree.adaptive import (
     EXPLORE_BURST,
     EXPLORE_EVERY,
     MODE_DWELL,
+    SWITCH_EXPLORE_EVERY,
+    SWITCH_EXPLORE_SHARE,
     AcceptanceStats,
     AdaptiveBudget,
     SchedulerBudgets,
@@ -143,15 +147,32 @@ def test_near_ties_go_to_no_speculation() -> None:
     costs.observe(1, 7, 1.6)
     costs.observe(1, 7, 1.6)
     costs.observe(1, 7, 1.6)
-    choices = [policy.choose(1) for _ in range(MODE_DWELL + 1)]  # 4 / 1.6 per second: 2.5×, once the dwell is over
-    assert choices[-1] == 7 and choices[0] == 0
+    assert policy.choose(1) == 7  # 4 / 1.6 per second: 2.5× (speculation has been off for longer than the dwell)
 
 
-def test_switching_speculation_off_waits_for_the_dwell() -> None:
+def test_speculation_switches_off_at_once_and_on_after_the_dwell() -> None:
+    """A batch that grew must not verify trees it cannot afford; a quiet spell after that switches speculation back
+    on only ``MODE_DWELL`` choices after it went off (each switch leaves a gap in the drafter's context)."""
     policy = _policy()
-    first = [policy.choose(64) for _ in range(EXPLORE_BURST * 4 + MODE_DWELL)]
-    after_bursts = first[EXPLORE_BURST * 4 :]
-    assert 0 not in after_bursts[: MODE_DWELL - EXPLORE_BURST * 4 - 1] and after_bursts[-1] == 0, first
+    first = [policy.choose(64) for _ in range(EXPLORE_BURST * 4 + 1)]
+    assert first[-1] == 0, first  # right after the bucket's bursts, no dwell
+    alone = [policy.choose(1) for _ in range(EXPLORE_BURST * 4 + MODE_DWELL)]
+    plain = alone[EXPLORE_BURST * 4 :]
+    switched_on = plain.index(7)
+    assert switched_on == MODE_DWELL - EXPLORE_BURST * 4 - 1 and set(plain[:switched_on]) == {0}, alone
+
+
+def test_trees_are_explored_rarely_where_they_cost_many_plain_steps() -> None:
+    """Not speculating, the trees' bursts take at most ``SWITCH_EXPLORE_SHARE`` of the time: on a device where a tree
+    step costs eight plain ones they come every 1,600 choices, not every ``SWITCH_EXPLORE_EVERY``."""
+    costs = StepCosts({0: {8: 1.0}, 7: {8: 8.0}})
+    stats = AcceptanceStats((0, 7), torch.device("cpu"))
+    stats.record(torch.tensor([[0, 1, 2, 3]]), torch.tensor([7]))
+    policy = _explored(AdaptiveBudget((0, 7), costs, stats, max_depth=3), 8)
+    assert policy.switch_explore_interval(8, 0, 7) == math.ceil(EXPLORE_BURST * 8 / SWITCH_EXPLORE_SHARE) == 1600
+    assert policy.switch_explore_interval(8, 7, 0) == SWITCH_EXPLORE_EVERY  # plain steps are cheap to explore
+    choices = [policy.choose(8) for _ in range(4000)]
+    assert choices.count(7) == 2 * EXPLORE_BURST, choices.count(7)
 
 
 def test_policy_explores_a_neighbour_now_and_then() -> None:
