@@ -358,8 +358,11 @@ class AdaptiveBudget:
             else:
                 self._mode, self._mode_since = best, self._choices
         other = 0 if best > 0 else speculating[0][1] if speculating else None
-        if other is not None and self._choices - self._switch_explored_at >= self.switch_explore_interval(
-            num_reqs, best, other
+        since = self._choices - self._switch_explored_at
+        if (
+            other is not None
+            and since >= SWITCH_EXPLORE_EVERY  # the floor of the interval: its costs are looked up once it is reached
+            and since >= self.switch_explore_interval(num_reqs, best, other)
         ):
             self._switch_explored_at = self._choices
             return self._start_burst(other)  # the other side of the switch
