@@ -291,18 +291,28 @@ def is_baseline(config: str) -> bool:
     return config == "nospec" or config.startswith(("chain", "vllmchain"))
 
 
-def best_baseline(records: list[dict[str, Any]], pair: str, series: str) -> dict[int, float]:
-    """max(chain, no speculation) per concurrency: what ddtree must beat."""
-    best: dict[int, float] = {}
+def best_baseline(records: list[dict[str, Any]], pair: str, series: str) -> dict[int, dict[str, Any]]:
+    """The cell of max(chain, no speculation) per concurrency (its record's ``interleaved`` flag copied in): what
+    ddtree must beat."""
+    best: dict[int, dict[str, Any]] = {}
     for r in records:
         if r["pair"] == pair and r["series"] == series and is_baseline(r["config"]):
             for cell in r["cells"]:
-                best[cell["concurrency"]] = max(best.get(cell["concurrency"], 0.0), cell["median_tok_s"])
+                c = cell["concurrency"]
+                if c not in best or cell["median_tok_s"] > best[c]["median_tok_s"]:
+                    best[c] = {**cell, "interleaved": r.get("interleaved", False)}
     return best
 
 
+def paired_ratio(tok_s: list[float], baseline_tok_s: list[float]) -> float:
+    """Median over rounds of one config's pass over the baseline's pass of the same round (interleaved runs: the
+    two ran minutes apart at most, so a machine's drift cancels out of each ratio)."""
+    return statistics.median(a / b for a, b in zip(tok_s, baseline_tok_s, strict=False) if b > 0)
+
+
 def table(records: list[dict[str, Any]], concurrency: list[int]) -> str:
-    """Median tok/s per config and concurrency, and each ddtree row's ratio to max(chain, no speculation)."""
+    """Median tok/s per config and concurrency, and each ddtree row's ratio to max(chain, no speculation) (and,
+    where both were interleaved, the median of their per-round ratios)."""
     lines = [f"| pair | series | config | {' | '.join(f'c{c}' for c in concurrency)} |",
              f"|---|---|---|{'---|' * len(concurrency)}"]  # fmt: skip
     for r in records:
@@ -315,8 +325,12 @@ def table(records: list[dict[str, Any]], concurrency: list[int]) -> str:
                 out.append("—")
                 continue
             text = f"{cell['median_tok_s']:,.0f}"
-            if not is_baseline(r["config"]) and best.get(c):
-                text += f" ({cell['median_tok_s'] / best[c]:.2f}×)"
+            base = best.get(c)
+            if not is_baseline(r["config"]) and base and base["median_tok_s"]:
+                text += f" ({cell['median_tok_s'] / base['median_tok_s']:.2f}×"
+                if r.get("interleaved") and base["interleaved"]:
+                    text += f"; paired {paired_ratio(cell['output_tok_s'], base['output_tok_s']):.2f}×"
+                text += ")"
             out.append(text)
         lines.append(f"| {r['pair']} | {r['series']} | {r['config']} | {' | '.join(out)} |")
     return "\n".join(lines)
