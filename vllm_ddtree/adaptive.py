@@ -18,7 +18,8 @@ Budgets never seen get the optimistic ``min(k, max_depth)`` until a step shows t
 first seen each budget runs a burst of ``EXPLORE_BURST`` steps, and then every ``EXPLORE_EVERY`` choices a
 neighbouring budget above 0 that is not far behind runs a burst, and now and then the other side of the speculation
 switch (``switch_explore_interval``), so the estimates follow the traffic. Speculation switches off as soon as it
-stops paying, and on again only ``MODE_DWELL`` choices after the last switch. ``VLLM_DDTREE_ADAPTIVE_FORCE``
+stops paying (once the estimate saying so rests on ``TRUSTED_ROWS`` rows), and on again only ``MODE_DWELL``
+choices after the last switch. ``VLLM_DDTREE_ADAPTIVE_FORCE``
 replaces the choice by a fixed cycle of budgets (tests and benches).
 """
 
@@ -69,6 +70,10 @@ ACCEPTANCE_DECAY = 0.99
 """Per-step decay of the acceptance counts (an effective window of about a hundred steps)."""
 MIN_OBSERVATIONS = 1.0
 """Decayed row count below which a budget's acceptance is treated as unseen."""
+TRUSTED_ROWS = 32.0
+"""Decayed request rows the best speculating budget's acceptance must rest on before speculation may switch off. The
+first bursts are a few steps of one request at low concurrency, which can read far below what the trees accept; once
+off, nothing is counted (``AdaptiveBudget.record``), so an estimate that small would keep speculation off for good."""
 
 
 def candidate_budgets(budget: int) -> tuple[int, ...]:
@@ -222,6 +227,7 @@ class AcceptanceStats:
         self._event = torch.cuda.Event() if on_gpu else None
         self._pending = False
         self._expected: dict[int, float] = {}
+        self._rows: dict[int, float] = {}
         self._lock = threading.Lock()
 
     def record(self, accepted_nodes: torch.Tensor, num_verified: torch.Tensor) -> None:
@@ -250,8 +256,14 @@ class AcceptanceStats:
                 self._expected = {
                     k: s / c for k, s, c in zip(self.budgets, sums, counts, strict=True) if c >= MIN_OBSERVATIONS
                 }
+                self._rows = dict(zip(self.budgets, counts, strict=True))
                 self._pending = False
             return dict(self._expected)
+
+    def rows(self, k: int) -> float:
+        """The decayed request rows behind budget ``k``'s estimate, as of the last ``expected``."""
+        with self._lock:
+            return self._rows.get(k, 0.0)
 
 
 class AdaptiveBudget:
@@ -355,6 +367,8 @@ class AdaptiveBudget:
         if (best == 0) != (self._mode == 0):
             if best > 0 and self._choices - self._mode_since < MODE_DWELL:
                 best = 0  # switching on waits for the dwell, switching off does not
+            elif best == 0 and speculating and self.stats.rows(speculating[0][1]) < TRUSTED_ROWS:
+                best = speculating[0][1]  # too few rows yet to trust the estimate that says stop
             else:
                 self._mode, self._mode_since = best, self._choices
         other = 0 if best > 0 else speculating[0][1] if speculating else None

@@ -16,6 +16,7 @@ from vllm_ddtree.adaptive import (
     MODE_DWELL,
     SWITCH_EXPLORE_EVERY,
     SWITCH_EXPLORE_SHARE,
+    TRUSTED_ROWS,
     AcceptanceStats,
     AdaptiveBudget,
     SchedulerBudgets,
@@ -124,7 +125,8 @@ def _policy(forced=None) -> AdaptiveBudget:
     # Few requests: the step costs the same whatever its width (latency-bound); many: cost grows with tokens.
     costs = StepCosts({k: {1: 1.0, 64: 1.0 + 4.0 * (k + 1)} for k in (0, 1, 3, 7)})
     stats = AcceptanceStats((0, 1, 3, 7), torch.device("cpu"))
-    stats.record(torch.tensor([[0, 1, 2, 3], [0, -1, -1, -1]]), torch.tensor([7, 7]))  # a whole chain, nothing
+    rows = torch.tensor([[0, 1, 2, 3], [0, -1, -1, -1]]).repeat(16, 1)  # a whole chain, nothing: TRUSTED_ROWS rows
+    stats.record(rows, torch.full((32,), 7))
     return AdaptiveBudget((0, 1, 3, 7), costs, stats, max_depth=3, forced=forced)
 
 
@@ -141,7 +143,7 @@ def test_policy_picks_the_whole_tree_alone_and_no_drafts_under_load() -> None:
 def test_near_ties_go_to_no_speculation() -> None:
     costs = StepCosts({0: {1: 1.0}, 7: {1: 3.8}})
     stats = AcceptanceStats((0, 7), torch.device("cpu"))
-    stats.record(torch.tensor([[0, 1, 2, 3]]), torch.tensor([7]))
+    stats.record(torch.tensor([[0, 1, 2, 3]]).repeat(32, 1), torch.full((32,), 7))
     policy = _explored(AdaptiveBudget((0, 7), costs, stats, max_depth=3), 1)
     assert policy.ranked(1)[0][1] == 7 and policy.choose(1) == 0  # 4 tokens in 3.8 s: only 1.05× one in 1 s
     costs.observe(1, 7, 1.6)
@@ -162,12 +164,31 @@ def test_speculation_switches_off_at_once_and_on_after_the_dwell() -> None:
     assert switched_on == MODE_DWELL - EXPLORE_BURST * 4 - 1 and set(plain[:switched_on]) == {0}, alone
 
 
+def test_speculation_stays_on_until_the_estimate_that_stops_it_rests_on_enough_rows() -> None:
+    """The first bursts' few rows (one request each) may read far below what the trees accept; once off, nothing is
+    counted, so switching off waits for ``TRUSTED_ROWS`` rows, which the speculating steps themselves gather."""
+    costs = StepCosts({0: {1: 1.0}, 7: {1: 3.0}})
+    stats = AcceptanceStats((0, 7), torch.device("cpu"))
+    stats.record(torch.tensor([[0, 1, -1, -1]]).repeat(4, 1), torch.full((4,), 7))  # 1 accepted: 2 tokens in 3 s
+    policy = AdaptiveBudget((0, 7), costs, stats, max_depth=3)
+    assert policy.ranked(1)[0][1] == 0 and stats.rows(7) == 4
+    first = [policy.choose(1) for _ in range(2 * EXPLORE_BURST + 2 * MODE_DWELL)]  # the bucket's bursts, then ...
+    assert set(first[2 * EXPLORE_BURST :]) == {7}  # ... 4 rows: not trusted, speculation stays on
+    step = 0
+    while stats.rows(7) < TRUSTED_ROWS:  # the speculating steps' own rows, still 1 accepted draft each
+        assert policy.choose(1) == 7, step
+        policy.record(torch.tensor([[0, 1, -1, -1]]), torch.tensor([7]))
+        stats.expected()
+        step += 1
+    assert policy.choose(1) == 0
+
+
 def test_trees_are_explored_rarely_where_they_cost_many_plain_steps() -> None:
     """Not speculating, the trees' bursts take at most ``SWITCH_EXPLORE_SHARE`` of the time: on a device where a tree
     step costs eight plain ones they come every 1,600 choices, not every ``SWITCH_EXPLORE_EVERY``."""
     costs = StepCosts({0: {8: 1.0}, 7: {8: 8.0}})
     stats = AcceptanceStats((0, 7), torch.device("cpu"))
-    stats.record(torch.tensor([[0, 1, 2, 3]]), torch.tensor([7]))
+    stats.record(torch.tensor([[0, 1, 2, 3]]).repeat(32, 1), torch.full((32,), 7))
     policy = _explored(AdaptiveBudget((0, 7), costs, stats, max_depth=3), 8)
     assert policy.switch_explore_interval(8, 0, 7) == math.ceil(EXPLORE_BURST * 8 / SWITCH_EXPLORE_SHARE) == 1600
     assert policy.switch_explore_interval(8, 7, 0) == SWITCH_EXPLORE_EVERY  # plain steps are cheap to explore
