@@ -1,0 +1,40 @@
+"""``bench/serve_sweep.py``'s table: each ddtree cell's ratio to max(chain, no speculation), and for interleaved
+runs the median of the per-round ratios (a drifting machine slows both passes of a round alike)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+from serve_sweep import best_baseline, paired_ratio, table  # noqa: E402
+
+
+def _record(config: str, passes: dict[int, list[float]], interleaved: bool = True) -> dict:
+    cells = [
+        {"concurrency": c, "output_tok_s": tok_s, "median_tok_s": sorted(tok_s)[len(tok_s) // 2]}
+        for c, tok_s in passes.items()
+    ]
+    return {"pair": "gqa", "series": "default", "config": config, "interleaved": interleaved, "cells": cells}
+
+
+def test_paired_ratio_cancels_drift_that_the_ratio_of_medians_keeps() -> None:
+    baseline = [100.0, 50.0, 200.0]  # the machine halves, then quadruples its speed between rounds
+    ddtree = [90.0, 45.0, 20.0]  # 0.9x in the first two rounds, then one pass stalls
+    assert paired_ratio(ddtree, baseline) == 0.9
+    assert sorted(ddtree)[1] / sorted(baseline)[1] == 0.45
+
+
+def test_table_prints_both_ratios_against_the_better_baseline() -> None:
+    records = [
+        _record("nospec", {1: [100.0, 100.0, 100.0], 16: [400.0, 200.0, 400.0]}),
+        _record("chain-7", {1: [150.0, 150.0, 150.0]}, interleaved=False),
+        _record("adaptive-15", {1: [300.0, 300.0, 300.0], 16: [360.0, 180.0, 360.0]}),
+    ]
+    best = best_baseline(records, "gqa", "default")
+    assert best[1]["median_tok_s"] == 150.0 and not best[1]["interleaved"] and best[16]["interleaved"]
+    lines = table(records, [1, 16]).splitlines()
+    adaptive = next(line for line in lines if "adaptive-15" in line)
+    assert "300 (2.00×) |" in adaptive  # against the chain, which did not run interleaved: no paired ratio
+    assert "360 (0.90×; paired 0.90×)" in adaptive
