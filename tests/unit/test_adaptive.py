@@ -121,12 +121,17 @@ def _explored(policy: AdaptiveBudget, num_reqs: int) -> AdaptiveBudget:
     return policy
 
 
+def _record_trusted(stats: AcceptanceStats, paths: list[list[int]]) -> None:
+    """``paths`` (all verifying 7 drafts) repeated to ``TRUSTED_ROWS`` rows: an estimate the policy acts on."""
+    rows = torch.tensor(paths).repeat(int(TRUSTED_ROWS) // len(paths), 1)
+    stats.record(rows, torch.full((rows.shape[0],), 7))
+
+
 def _policy(forced=None) -> AdaptiveBudget:
     # Few requests: the step costs the same whatever its width (latency-bound); many: cost grows with tokens.
     costs = StepCosts({k: {1: 1.0, 64: 1.0 + 4.0 * (k + 1)} for k in (0, 1, 3, 7)})
     stats = AcceptanceStats((0, 1, 3, 7), torch.device("cpu"))
-    rows = torch.tensor([[0, 1, 2, 3], [0, -1, -1, -1]]).repeat(16, 1)  # a whole chain, nothing: TRUSTED_ROWS rows
-    stats.record(rows, torch.full((32,), 7))
+    _record_trusted(stats, [[0, 1, 2, 3], [0, -1, -1, -1]])  # a whole chain, nothing
     return AdaptiveBudget((0, 1, 3, 7), costs, stats, max_depth=3, forced=forced)
 
 
@@ -143,7 +148,7 @@ def test_policy_picks_the_whole_tree_alone_and_no_drafts_under_load() -> None:
 def test_near_ties_go_to_no_speculation() -> None:
     costs = StepCosts({0: {1: 1.0}, 7: {1: 3.8}})
     stats = AcceptanceStats((0, 7), torch.device("cpu"))
-    stats.record(torch.tensor([[0, 1, 2, 3]]).repeat(32, 1), torch.full((32,), 7))
+    _record_trusted(stats, [[0, 1, 2, 3]])
     policy = _explored(AdaptiveBudget((0, 7), costs, stats, max_depth=3), 1)
     assert policy.ranked(1)[0][1] == 7 and policy.choose(1) == 0  # 4 tokens in 3.8 s: only 1.05× one in 1 s
     costs.observe(1, 7, 1.6)
@@ -188,7 +193,7 @@ def test_trees_are_explored_rarely_where_they_cost_many_plain_steps() -> None:
     step costs eight plain ones they come every 1,600 choices, not every ``SWITCH_EXPLORE_EVERY``."""
     costs = StepCosts({0: {8: 1.0}, 7: {8: 8.0}})
     stats = AcceptanceStats((0, 7), torch.device("cpu"))
-    stats.record(torch.tensor([[0, 1, 2, 3]]).repeat(32, 1), torch.full((32,), 7))
+    _record_trusted(stats, [[0, 1, 2, 3]])
     policy = _explored(AdaptiveBudget((0, 7), costs, stats, max_depth=3), 8)
     assert policy.switch_explore_interval(8, 0, 7) == math.ceil(EXPLORE_BURST * 8 / SWITCH_EXPLORE_SHARE) == 1600
     assert policy.switch_explore_interval(8, 7, 0) == SWITCH_EXPLORE_EVERY  # plain steps are cheap to explore
