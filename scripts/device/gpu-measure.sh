@@ -14,9 +14,10 @@
 #   tests        the gpu-marked tests: end to end + top-k | kernels and backends
 #   load-faults  bench/load_faults.py: both embedded pairs under 200 streams with aborts, then forced preemption
 #   adaptive     the GPU tests of the adaptive budget (forced width switches, the chosen budget; GQA and MLA)
-#   serve-sweep  bench/serve_sweep.py, vLLM's default serving config, one job a config (needs JOB_TIMEOUT=1500: a
-#                config's five concurrencies take ~10 min with compile): MLA no spec, V2 chain k=7,
-#                ddtree adaptive 63, ddtree 15 fixed; then GQA chain, adaptive 63, no spec (merge with --merge)
+#   serve-sweep  bench/serve_sweep.py --interleave, vLLM's default serving config: both pairs' servers (no spec, V2
+#                chain k=7, ddtree adaptive 15) started at once and measured in alternating passes at concurrency
+#                1 4 16 64 128 (needs JOB_TIMEOUT=1500: ~20 min on an H100)
+#   serve-budgets  the same for ddtree at fixed budgets 8 16 32 63 (both pairs: 8 servers)
 #   serve-profile  the MLA pair under vLLM's default serving config at concurrency 1 4 16, with one profiled pass at
 #                16 (bench/trace_summary.py): ddtree 15 fixed, V2 chain k=7 (with and without this plugin loaded),
 #                ddtree adaptive 15, no spec
@@ -77,11 +78,11 @@ jobs_of() {
     adaptive)
       echo "0 tests_adaptive -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu -k adaptive" ;;
     serve-sweep)
-      local pc
-      for pc in mla:nospec mla:chain-7 mla:adaptive-63 mla:ddtree-15 gqa:chain-7 gqa:adaptive-63 gqa:nospec; do
-        echo "0 sweep_${pc%%:*}_${pc#*:} bench/serve_sweep.py --pairs ${pc%%:*} --configs ${pc#*:}" \
-             "--logs $r/serve_logs --out $r/sweep_${pc%%:*}_${pc#*:}.json"
-      done ;;
+      echo "0 sweep bench/serve_sweep.py --interleave --pairs mla gqa --configs nospec chain-7 adaptive-15" \
+           "--min-seconds 8 --logs $r/serve_logs --out $r/serve_sweep.json" ;;
+    serve-budgets)
+      echo "0 sweep_budgets bench/serve_sweep.py --interleave --pairs mla gqa --configs ddtree-8 ddtree-16 ddtree-32" \
+           "ddtree-63 --min-seconds 8 --logs $r/serve_logs --out $r/serve_sweep_budgets.json" ;;
     serve-profile)
       local c
       for c in ddtree-15 chain-7 vllmchain-7 adaptive-15 nospec; do
@@ -140,8 +141,8 @@ jobs_of() {
       [ -f "${1#jobs:}" ] || { echo "no job file '${1#jobs:}'" >&2; return 2; }
       grep -v '^\s*\(#\|$\)' "${1#jobs:}" | sed "s|\$RESULTS|$r|g" ;;
     *) echo "unknown stage '$1': step-a, step-b, acceptance, ops, tests, recheck, profile, profile-b16, profile-4k, offsets, offsets-wide," \
-            "v1-plain, divergence, divergence-a, divergence-b, divergence-ab, numerics-tests, serve-sweep, serve-profile," \
-            "serve-load, adaptive, load-faults" \
+            "v1-plain, divergence, divergence-a, divergence-b, divergence-ab, numerics-tests, serve-sweep, serve-budgets," \
+            "serve-profile, serve-load, adaptive, load-faults" \
             "or jobs:FILE" >&2; return 2 ;;
   esac
 }
