@@ -1,5 +1,6 @@
-"""``bench/serve_sweep.py``'s table: each ddtree cell's ratio to max(chain, no speculation), and for interleaved
-runs the median of the per-round ratios (a drifting machine slows both passes of a round alike)."""
+"""``bench/serve_sweep.py``: its table — each ddtree cell's ratio to max(chain, no speculation), and for interleaved
+runs the median of the per-round ratios (a drifting machine slows both passes of a round alike) — and the arguments
+of servers that share one GPU."""
 
 from __future__ import annotations
 
@@ -38,3 +39,15 @@ def test_table_prints_both_ratios_against_the_better_baseline() -> None:
     adaptive = next(line for line in lines if "adaptive-15" in line)
     assert "300 (2.00×) |" in adaptive  # against the chain, which did not run interleaved: no paired ratio
     assert "360 (0.90×; paired 0.90×)" in adaptive
+
+
+def test_servers_sharing_one_gpu_split_its_memory_and_fix_their_kv_cache() -> None:
+    from serve_sweep import SHARED_GPU_KV_CACHE_BYTES, server_args
+
+    alone = server_args("mla", "adaptive-15", gpu=True, tuned=False)
+    assert "--gpu-memory-utilization" not in alone and "--kv-cache-memory-bytes" not in alone  # vLLM's defaults
+    shared = server_args("mla", "adaptive-15", gpu=True, tuned=False, sharing=6)
+    assert shared[shared.index("--gpu-memory-utilization") + 1] == "0.150"
+    assert shared[shared.index("--kv-cache-memory-bytes") + 1] == str(SHARED_GPU_KV_CACHE_BYTES)
+    cpu = server_args("gqa", "nospec", gpu=False, tuned=False, sharing=2)
+    assert "--kv-cache-memory-bytes" not in cpu and "--speculative-config" not in cpu
