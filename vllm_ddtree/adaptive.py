@@ -17,7 +17,8 @@ configured budget) for a batch of ``r`` requests by maximising ``(1 + E[accepted
 Budgets never seen get the optimistic ``min(k, max_depth)`` until a step shows them; in a request-count bucket
 first seen each budget runs a burst of ``EXPLORE_BURST`` steps, and then every ``EXPLORE_EVERY`` choices a
 neighbouring budget above 0 that is not far behind runs a burst, and now and then the other side of the speculation
-switch (``switch_explore_interval``), so the estimates follow the traffic. Speculation switches off as soon as it
+switch (``switch_explore_interval``; its burst replaces that side's step-time readings in the bucket), so the
+estimates follow the traffic. Speculation switches off as soon as it
 stops paying (once the estimate saying so rests on ``TRUSTED_ROWS`` rows), and on again only ``MODE_DWELL``
 choices after the last switch. ``VLLM_DDTREE_ADAPTIVE_FORCE``
 replaces the choice by a fixed cycle of budgets (tests and benches).
@@ -52,6 +53,11 @@ SWITCH_EXPLORE_EVERY = 512
 """At least this many choices between bursts of the other side of the speculation switch (no drafts while
 speculating, the best budget while not), so a cost or acceptance estimate gone stale on that side cannot pin the
 choice."""
+SWITCH_EXPLORE_WHILE_ON = 64
+"""Where step times are observed while serving (vLLM-CPU), speculating steps explore no drafts this often instead:
+plain steps are cheap, and the readings that keep speculation on must be current. Contention on a shared CPU (a
+burst of arrivals) can slow the plain steps for a while; if speculation switched on then, their readings would stand
+for ``SWITCH_EXPLORE_EVERY`` choices, tens of seconds of trees verified where plain steps would serve more."""
 SWITCH_EXPLORE_SHARE = 0.02
 """While not speculating, the trees' bursts may take at most this share of the steps' time: where a tree step costs
 many plain ones (a compute-bound CPU), they come rarer than every ``SWITCH_EXPLORE_EVERY`` choices."""
@@ -198,6 +204,11 @@ class StepCosts:
         ratio = seconds / predicted
         self._ratios.setdefault((k, _bucket(num_reqs)), deque(maxlen=RATIO_WINDOW)).append(ratio)
         self._budget_ratios[k].append(ratio)
+
+    def forget(self, k: int, num_reqs: int) -> None:
+        """Drop budget ``k``'s ratios in the bucket of ``num_reqs``: the burst about to run reads it afresh (until
+        it has ``MIN_BUCKET_RATIOS`` the budget's other ratios stand in)."""
+        self._ratios.pop((k, _bucket(num_reqs)), None)
 
     def scale(self, k: int, num_reqs: int = 1) -> float:
         """Observed over predicted seconds for budget ``k`` near ``num_reqs`` requests (1 before any step)."""
@@ -375,10 +386,11 @@ class AdaptiveBudget:
         since = self._choices - self._switch_explored_at
         if (
             other is not None
-            and since >= SWITCH_EXPLORE_EVERY  # the floor of the interval: its costs are looked up once it is reached
+            and since >= SWITCH_EXPLORE_WHILE_ON  # the floor of every interval: costs are looked up once it is reached
             and since >= self.switch_explore_interval(num_reqs, best, other)
         ):
             self._switch_explored_at = self._choices
+            self.costs.forget(other, num_reqs)  # its readings were taken under the load of the last switch
             return self._start_burst(other)  # the other side of the switch
         if self._choices % EXPLORE_EVERY == 0 and best > 0:
             upward = (self._choices // EXPLORE_EVERY) % 2 == 1
@@ -391,7 +403,9 @@ class AdaptiveBudget:
     def switch_explore_interval(self, num_reqs: int, best: int, other: int) -> int:
         """Choices between bursts of ``other`` (the other side of the speculation switch) while ``best`` runs:
         ``SWITCH_EXPLORE_EVERY``, or more where a burst of ``other`` would take over ``SWITCH_EXPLORE_SHARE`` of
-        the time."""
+        the time, or ``SWITCH_EXPLORE_WHILE_ON`` for no drafts where their step times are observed."""
+        if other == 0 and self.costs.observations(0):
+            return SWITCH_EXPLORE_WHILE_ON
         cost_best, cost_other = self.costs.cost(num_reqs, best), self.costs.cost(num_reqs, other)
         if not cost_best or not cost_other:
             return SWITCH_EXPLORE_EVERY

@@ -14,8 +14,10 @@ from vllm_ddtree.adaptive import (
     EXPLORE_BURST,
     EXPLORE_EVERY,
     MODE_DWELL,
+    RATIO_WINDOW,
     SWITCH_EXPLORE_EVERY,
     SWITCH_EXPLORE_SHARE,
+    SWITCH_EXPLORE_WHILE_ON,
     TRUSTED_ROWS,
     AcceptanceStats,
     AdaptiveBudget,
@@ -199,6 +201,27 @@ def test_trees_are_explored_rarely_where_they_cost_many_plain_steps() -> None:
     assert policy.switch_explore_interval(8, 7, 0) == SWITCH_EXPLORE_EVERY  # plain steps are cheap to explore
     choices = [policy.choose(8) for _ in range(4000)]
     assert choices.count(7) == 2 * EXPLORE_BURST, choices.count(7)
+
+
+def test_plain_steps_read_slow_under_contention_are_read_afresh_soon() -> None:
+    """On a shared CPU a burst of arrivals can slow the plain steps for a while; speculation switched on then must
+    not stand on those readings: while it is on, plain steps are explored every ``SWITCH_EXPLORE_WHILE_ON``
+    choices, and their burst replaces the bucket's old readings."""
+    costs = StepCosts({0: {8: 1.0}, 7: {8: 6.0}})
+    stats = AcceptanceStats((0, 7), torch.device("cpu"))
+    _record_trusted(stats, [[0, 1, 2, 3]])
+    policy = _explored(AdaptiveBudget((0, 7), costs, stats, max_depth=3), 8)
+    assert policy.choose(8) == 0  # 4 tokens in 6 s against 1 in 1 s
+    for _ in range(RATIO_WINDOW):
+        costs.observe(8, 0, 3.0)  # the plain steps of a burst of arrivals
+    assert [policy.choose(8) for _ in range(MODE_DWELL)][-1] == 7  # 4 in 6 s beat 1 in 3 s
+    choices = []
+    for _ in range(SWITCH_EXPLORE_WHILE_ON + 2 * EXPLORE_BURST):
+        k = policy.choose(8)
+        choices.append(k)
+        costs.observe(8, k, 1.0 if k == 0 else 6.0)  # the burst is over: plain steps take 1 s again
+    switched_off = choices.index(0)
+    assert switched_off <= SWITCH_EXPLORE_WHILE_ON and set(choices[switched_off:]) == {0}, choices
 
 
 def test_policy_explores_a_neighbour_now_and_then() -> None:
