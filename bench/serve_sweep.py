@@ -107,6 +107,16 @@ def server_args(pair: str, config: str, gpu: bool, tuned: bool, trace_dir: Path 
     return args + (TUNED if tuned else [])
 
 
+def server_env(config: str, gpu: bool) -> dict[str, str] | None:
+    """Environment of a config's server beyond this process's: on a GPU vLLM's chain runs on Model Runner V2, as
+    ddtree does (vLLM's own default for the DeepSeek-architecture MLA target is V1); ``vllmchain`` loads no
+    plugin."""
+    env = {"VLLM_USE_V2_MODEL_RUNNER": "1"} if gpu and config.startswith(("chain", "vllmchain")) else {}
+    if config.startswith("vllmchain"):
+        env["VLLM_PLUGINS"] = ""
+    return env or None
+
+
 def write_dataset(pair: str, path: Path) -> int:
     """The held-out prompts as text (vLLM's custom dataset: one ``{"prompt": ...}`` per line), repeated."""
     from transformers import AutoTokenizer
@@ -230,8 +240,7 @@ def run_config(pair: str, config: str, series: str, args: argparse.Namespace, gp
     start = time.time()
     try:
         served = server_args(pair, config, gpu, series == "tuned", trace_dir)
-        no_plugins = {"VLLM_PLUGINS": ""} if config.startswith("vllmchain") else None
-        with openai_server(served, env=no_plugins, timeout_s=1200, log_path=str(log)) as url:
+        with openai_server(served, env=server_env(config, gpu), timeout_s=1200, log_path=str(log)) as url:
             record["startup_s"] = round(time.time() - start, 1)
             for c in args.concurrency:
                 cell = measure_concurrency(url, pair, dataset, size, c, args)
@@ -272,11 +281,11 @@ def run_interleaved(pairs: list[str], configs: list[str], series: str, args: arg
         started = {}
         for key in keys:
             served = server_args(*key, gpu, series == "tuned", sharing=len(keys))
-            no_plugins = {"VLLM_PLUGINS": ""} if key[1].startswith("vllmchain") else None
             log = (args.logs or workdir) / f"server-{key[0]}-{key[1]}-{series}.log"
+            env = server_env(key[1], gpu)
             started[key] = (
                 log,
-                servers.enter_context(openai_server_process(served, no_plugins, log_path=str(log), wait=False)),
+                servers.enter_context(openai_server_process(served, env, log_path=str(log), wait=False)),
             )
         for key, (log, (url, proc)) in started.items():
             try:

@@ -1,6 +1,6 @@
 """``bench/serve_sweep.py``: its table — each ddtree cell's ratio to max(chain, no speculation), and for interleaved
 runs the median of the per-round ratios (a drifting machine slows both passes of a round alike) — and the arguments
-of servers that share one GPU."""
+and environment of the servers (several on one GPU; vLLM's chain on Model Runner V2)."""
 
 from __future__ import annotations
 
@@ -51,3 +51,12 @@ def test_servers_sharing_one_gpu_split_its_memory_and_fix_their_kv_cache() -> No
     assert shared[shared.index("--kv-cache-memory-bytes") + 1] == str(SHARED_GPU_KV_CACHE_BYTES)
     cpu = server_args("gqa", "nospec", gpu=False, tuned=False, sharing=2)
     assert "--kv-cache-memory-bytes" not in cpu and "--speculative-config" not in cpu
+
+
+def test_vllms_chain_runs_on_model_runner_v2_on_a_gpu() -> None:
+    from serve_sweep import server_env
+
+    assert server_env("chain-7", gpu=True) == {"VLLM_USE_V2_MODEL_RUNNER": "1"}
+    assert server_env("vllmchain-7", gpu=True) == {"VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_PLUGINS": ""}
+    assert server_env("nospec", gpu=True) is None and server_env("adaptive-15", gpu=True) is None  # vLLM's / ours
+    assert server_env("chain-7", gpu=False) is None and server_env("vllmchain-7", gpu=False) == {"VLLM_PLUGINS": ""}
