@@ -18,7 +18,8 @@ Budgets never seen get the optimistic ``min(k, max_depth)`` until a step shows t
 first seen each budget runs a burst of ``EXPLORE_BURST`` steps, and then every ``EXPLORE_EVERY`` choices a
 neighbouring budget above 0 that is not far behind runs a burst, and now and then the other side of the speculation
 switch (``switch_explore_interval``; its burst replaces that side's step-time readings in the bucket), so the
-estimates follow the traffic. Speculation switches off as soon as it
+estimates follow the traffic. No drafts are explored only where step times are observed (``StepCosts.observed``):
+elsewhere such a burst teaches nothing and leaves gaps in the drafter's context. Speculation switches off as soon as it
 stops paying (once the estimate saying so rests on ``TRUSTED_ROWS`` rows), and on again only ``MODE_DWELL``
 choices after the last switch. ``VLLM_DDTREE_ADAPTIVE_FORCE``
 replaces the choice by a fixed cycle of budgets (tests and benches).
@@ -50,14 +51,13 @@ so its requests' drafter context has a gap there, and switches are kept rare. Sw
 that grew (a burst of arrivals after a quiet spell) must not verify trees it cannot afford for the dwell's steps
 (budgets above 0 switch freely)."""
 SWITCH_EXPLORE_EVERY = 512
-"""At least this many choices between bursts of the other side of the speculation switch (no drafts while
-speculating, the best budget while not), so a cost or acceptance estimate gone stale on that side cannot pin the
-choice."""
+"""At least this many choices between bursts of the best budget while not speculating, so an estimate gone stale on
+that side cannot pin the choice."""
 SWITCH_EXPLORE_WHILE_ON = 64
-"""Where step times are observed while serving (vLLM-CPU), speculating steps explore no drafts this often instead:
-plain steps are cheap, and the readings that keep speculation on must be current. Contention on a shared CPU (a
-burst of arrivals) can slow the plain steps for a while; if speculation switched on then, their readings would stand
-for ``SWITCH_EXPLORE_EVERY`` choices, tens of seconds of trees verified where plain steps would serve more."""
+"""Choices between bursts of no drafts while speculating, where step times are observed while serving (vLLM-CPU;
+elsewhere such a burst would teach nothing and leave gaps in the drafter's context). Contention on a shared CPU (a
+burst of arrivals) can slow the plain steps for a while; if speculation switched on then, their readings must not
+stand for long: tens of seconds of trees verified where plain steps would serve more."""
 SWITCH_EXPLORE_SHARE = 0.02
 """While not speculating, the trees' bursts may take at most this share of the steps' time: where a tree step costs
 many plain ones (a compute-bound CPU), they come rarer than every ``SWITCH_EXPLORE_EVERY`` choices."""
@@ -160,7 +160,10 @@ class StepCosts:
     only ever grows by interference (another process on the core, a collection).
     """
 
-    def __init__(self, measured: dict[int, dict[int, float]]) -> None:
+    def __init__(self, measured: dict[int, dict[int, float]], observed: bool = False) -> None:
+        self.observed = observed
+        """The runner ``observe``s served steps (vLLM-CPU); Model Runner V2 does not, so there a budget's readings
+        never change while serving and exploring it for its cost teaches nothing."""
         self._reqs = {k: sorted(v) for k, v in measured.items() if v}
         self._secs = {k: [measured[k][r] for r in self._reqs[k]] for k in self._reqs}
         self._ratios: dict[tuple[int, int], deque[float]] = {}
@@ -367,6 +370,8 @@ class AdaptiveBudget:
             return self._burst[0]
         bucket = _bucket(num_reqs)
         for _, k in ranked:  # a request-count bucket first seen: each budget runs a burst there
+            if k == 0 and not self.costs.observed:
+                continue  # no drafts teach nothing unobserved, and would leave gaps in the first trees' context
             if (k, bucket) not in self._tries:
                 self._tries[k, bucket] = 1
                 return self._start_burst(k)
@@ -382,7 +387,10 @@ class AdaptiveBudget:
                 best = speculating[0][1]  # too few rows yet to trust the estimate that says stop
             else:
                 self._mode, self._mode_since = best, self._choices
-        other = 0 if best > 0 else speculating[0][1] if speculating else None
+        if best > 0:  # while speculating, no drafts are explored only where their step times are observed
+            other = 0 if self.costs.observed else None
+        else:
+            other = speculating[0][1] if speculating else None
         since = self._choices - self._switch_explored_at
         if (
             other is not None
@@ -403,8 +411,8 @@ class AdaptiveBudget:
     def switch_explore_interval(self, num_reqs: int, best: int, other: int) -> int:
         """Choices between bursts of ``other`` (the other side of the speculation switch) while ``best`` runs:
         ``SWITCH_EXPLORE_EVERY``, or more where a burst of ``other`` would take over ``SWITCH_EXPLORE_SHARE`` of
-        the time, or ``SWITCH_EXPLORE_WHILE_ON`` for no drafts where their step times are observed."""
-        if other == 0 and self.costs.observations(0):
+        the time, or ``SWITCH_EXPLORE_WHILE_ON`` for no drafts (explored only where step times are observed)."""
+        if other == 0:
             return SWITCH_EXPLORE_WHILE_ON
         cost_best, cost_other = self.costs.cost(num_reqs, best), self.costs.cost(num_reqs, other)
         if not cost_best or not cost_other:
@@ -439,12 +447,14 @@ def timed_policy(
     sync: Callable[[], None],
     device: torch.device,
     max_depth: int,
+    observed: bool,
 ) -> AdaptiveBudget:
-    """The policy of one runner: its start-up step timings (``measure_step_costs``), fresh acceptance counts, and
-    the forced cycle of ``VLLM_DDTREE_ADAPTIVE_FORCE`` if set; logged once."""
+    """The policy of one runner: its start-up step timings (``measure_step_costs``; ``observed``: the runner
+    corrects them with served steps), fresh acceptance counts, and the forced cycle of
+    ``VLLM_DDTREE_ADAPTIVE_FORCE`` if set; logged once."""
     from vllm_ddtree import envs
 
-    costs = StepCosts(measure_step_costs(run_step, budgets, max_num_reqs, fits, sync))
+    costs = StepCosts(measure_step_costs(run_step, budgets, max_num_reqs, fits, sync), observed)
     forced = envs.VLLM_DDTREE_ADAPTIVE_FORCE
     policy = AdaptiveBudget(
         budgets, costs, AcceptanceStats(budgets, device), max_depth, forced_budgets(forced, budgets) if forced else None

@@ -165,6 +165,7 @@ class DDTreeProposer(DFlashProposer):
             lambda: None,
             self.device,
             depth,
+            observed=True,  # _observe_step
         )
 
     @torch.inference_mode()

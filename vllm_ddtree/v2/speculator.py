@@ -139,6 +139,7 @@ class DDTreeSpeculator(DFlashSpeculator):
             torch.accelerator.synchronize,
             self.device,
             self.ddtree.max_depth,
+            observed=False,  # the scheduler chooses ahead of the GPU: no step is timed while serving
         )
         self.step.adaptive = policy
         register_local(policy)
