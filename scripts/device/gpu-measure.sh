@@ -16,7 +16,7 @@
 #   adaptive     the GPU tests of the adaptive budget (forced width switches, the chosen budget; GQA and MLA)
 #   serve-sweep  bench/serve_sweep.py --interleave, vLLM's default serving config: both pairs' servers (no spec, V2
 #                chain k=7, ddtree adaptive 15) started at once and measured in alternating passes at concurrency
-#                1 4 16 64 128 (needs JOB_TIMEOUT=1500: ~20 min on an H100)
+#                1 4 16 64 128, passes of >= 6 s (JOB_TIMEOUT=1100: 815 s on an H100 at a288f4a)
 #   serve-budgets  the same for ddtree at fixed budgets 8 16 32 63 (both pairs: 8 servers)
 #   serve-profile  the MLA pair under vLLM's default serving config at concurrency 1 4 16, with one profiled pass at
 #                16 (bench/trace_summary.py): ddtree 15 fixed, V2 chain k=7 (with and without this plugin loaded),
@@ -79,10 +79,10 @@ jobs_of() {
       echo "0 tests_adaptive -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu -k adaptive" ;;
     serve-sweep)
       echo "0 sweep bench/serve_sweep.py --interleave --pairs mla gqa --configs nospec chain-7 adaptive-15" \
-           "--min-seconds 8 --logs $r/serve_logs --out $r/serve_sweep.json" ;;
+           "--min-seconds 6 --logs $r/serve_logs --out $r/serve_sweep.json" ;;
     serve-budgets)
       echo "0 sweep_budgets bench/serve_sweep.py --interleave --pairs mla gqa --configs ddtree-8 ddtree-16 ddtree-32" \
-           "ddtree-63 --min-seconds 8 --logs $r/serve_logs --out $r/serve_sweep_budgets.json" ;;
+           "ddtree-63 --min-seconds 6 --logs $r/serve_logs --out $r/serve_sweep_budgets.json" ;;
     serve-profile)
       local c
       for c in ddtree-15 chain-7 vllmchain-7 adaptive-15 nospec; do
