@@ -385,8 +385,9 @@ class AdaptiveBudget:
                 best = 0  # switching on waits for the dwell, switching off does not
             elif best == 0 and speculating and self.stats.rows(speculating[0][1]) < TRUSTED_ROWS:
                 best = speculating[0][1]  # too few rows yet to trust the estimate that says stop
-            else:
+            else:  # the switch itself read the other side: its next burst waits a whole interval
                 self._mode, self._mode_since = best, self._choices
+                self._switch_explored_at = self._choices
         if best > 0:  # while speculating, no drafts are explored only where their step times are observed
             other = 0 if self.costs.observed else None
         else:

@@ -234,6 +234,14 @@ def test_no_drafts_are_never_explored_where_step_times_are_not_observed() -> Non
     assert _explored(policy, 64).choose(64) == 0  # under load the choice itself still goes to no drafts
 
 
+def test_switching_off_after_a_long_speculating_spell_does_not_try_trees_at_once() -> None:
+    """The switch itself read the other side: its first burst waits a whole interval, not the time since the last
+    burst before the switch (on a GPU, none while speculating)."""
+    policy = _explored(_explored(_policy(observed=False), 64), 1)  # both buckets' first bursts are behind
+    assert set(policy.choose(1) for _ in range(2000)) == {7, 3}
+    assert set(policy.choose(64) for _ in range(SWITCH_EXPLORE_EVERY)) == {0}
+
+
 def test_policy_explores_a_neighbour_now_and_then() -> None:
     policy = _explored(_policy(), 64)
     choices = [policy.choose(64) for _ in range(4 * EXPLORE_EVERY)]  # best 0: speculation is not switched on
