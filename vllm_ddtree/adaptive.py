@@ -76,6 +76,8 @@ ACCEPTANCE_DECAY = 0.99
 """Per-step decay of the acceptance counts (an effective window of about a hundred steps)."""
 MIN_OBSERVATIONS = 1.0
 """Decayed row count below which a budget's acceptance is treated as unseen."""
+SERVED_IDLE_GAP_S = 0.5
+"""Intervals between choices longer than this are idle gaps (no requests), not steps (``ServedPeriods``)."""
 TRUSTED_ROWS = 32.0
 """Decayed request rows the best speculating budget's acceptance must rest on before speculation may switch off. The
 first bursts are a few steps of one request at low concurrency, which can read far below what the trees accept; once
@@ -280,6 +282,34 @@ class AcceptanceStats:
             return self._rows.get(k, 0.0)
 
 
+class ServedPeriods:
+    """What served steps take as the choosing side sees them, for the policy's log beside the cost model's estimate.
+
+    The interval between two choices is one engine step with the host's share of serving in it (scheduling, output
+    processing, streaming), which the start-up dummy steps leave out. It is kept per budget and request-count bucket
+    once three choices in a row had the same shape: with one step in flight (Model Runner V2's async scheduling
+    chooses a step ahead), the interval between the last two is then a step of that shape.
+    """
+
+    def __init__(self) -> None:
+        self._last: deque[tuple[tuple[int, int], float]] = deque(maxlen=2)
+        self._periods: dict[tuple[int, int], deque[float]] = {}
+
+    def tick(self, num_reqs: int, k: int, now: float) -> None:
+        """A choice of budget ``k`` for ``num_reqs`` requests at time ``now`` (seconds)."""
+        shape = (num_reqs, k)
+        if len(self._last) == 2 and all(s == shape for s, _ in self._last):
+            period = now - self._last[-1][1]
+            if 0.0 < period < SERVED_IDLE_GAP_S:
+                self._periods.setdefault((k, _bucket(num_reqs)), deque(maxlen=RATIO_WINDOW)).append(period)
+        self._last.append((shape, now))
+
+    def median(self, num_reqs: int, k: int) -> float | None:
+        """Median served period of budget ``k`` in the bucket of ``num_reqs`` (None before any)."""
+        periods = self._periods.get((k, _bucket(num_reqs)))
+        return statistics.median(periods) if periods else None
+
+
 class AdaptiveBudget:
     """The per-step choice of a decode step's node budget from the batch's request count."""
 
@@ -304,6 +334,7 @@ class AdaptiveBudget:
         self.chosen: Counter[int] = Counter()
         """How often each budget was chosen (tests, benches)."""
         self._recent: Counter[int] = Counter()
+        self.served = ServedPeriods()
         self._logged_at = time.monotonic()
 
     def record(self, accepted_nodes: torch.Tensor, num_verified: torch.Tensor) -> None:
@@ -342,18 +373,21 @@ class AdaptiveBudget:
         self.chosen[k] += 1
         self._recent[k] += 1
         now = time.monotonic()
+        self.served.tick(num_reqs, k, now)
         if now - self._logged_at >= LOG_INTERVAL_S:
             self._logged_at = now
             seen = self.stats.expected()
             costs = {b: self.costs.cost(num_reqs, b) for b in self.budgets}
+            served = {b: self.served.median(num_reqs, b) for b in self.budgets}
             logger.info(
                 "DDTree adaptive budget: the last %d steps verified %s; accepted drafts by budget %s; "
-                "step ms by budget at %d requests %s",
+                "step ms by budget at %d requests %s, served %s",
                 sum(self._recent.values()),
                 ", ".join(f"{b} nodes {n}x" for b, n in sorted(self._recent.items())),
                 {b: round(a, 2) for b, a in sorted(seen.items())},
                 num_reqs,
                 {b: round(c * 1e3, 2) for b, c in costs.items() if c is not None},
+                {b: round(c * 1e3, 2) for b, c in served.items() if c is not None},
             )
             self._recent.clear()
         return k

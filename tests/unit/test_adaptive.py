@@ -15,6 +15,7 @@ from vllm_ddtree.adaptive import (
     EXPLORE_EVERY,
     MODE_DWELL,
     RATIO_WINDOW,
+    SERVED_IDLE_GAP_S,
     SWITCH_EXPLORE_EVERY,
     SWITCH_EXPLORE_SHARE,
     SWITCH_EXPLORE_WHILE_ON,
@@ -22,6 +23,7 @@ from vllm_ddtree.adaptive import (
     AcceptanceStats,
     AdaptiveBudget,
     SchedulerBudgets,
+    ServedPeriods,
     StepCosts,
     candidate_budgets,
     dynamic_sd_table,
@@ -249,6 +251,20 @@ def test_policy_explores_a_neighbour_now_and_then() -> None:
     policy = _explored(_policy(observed=False), 1)
     choices = [policy.choose(1) for _ in range(4 * EXPLORE_EVERY)]  # best 7: only downward ones
     assert choices.count(3) == 2 * EXPLORE_BURST and set(choices) == {3, 7}
+
+
+def test_served_periods_are_steps_of_one_shape_three_choices_running() -> None:
+    """With one step in flight the interval between two choices is a step of their shape only once the choice
+    before them had it too; idle gaps are no steps."""
+    served = ServedPeriods()
+    for t, (r, k) in enumerate([(1, 7), (1, 7), (1, 15), (1, 15), (1, 15), (1, 15), (6, 15)]):
+        served.tick(r, k, t * 1e-3)
+    assert served.median(1, 7) is None and served.median(1, 15) == pytest.approx(1e-3)
+    assert served.median(8, 15) is None
+    served.tick(6, 15, 0.007)
+    served.tick(6, 15, 0.007 + SERVED_IDLE_GAP_S)  # the next request came after a quiet spell
+    served.tick(6, 15, 0.009 + SERVED_IDLE_GAP_S)
+    assert served.median(8, 15) == pytest.approx(2e-3)
 
 
 def test_forced_policy_cycles() -> None:
