@@ -334,7 +334,8 @@ class AdaptiveBudget:
         self.chosen: Counter[int] = Counter()
         """How often each budget was chosen (tests, benches)."""
         self._recent: Counter[int] = Counter()
-        self.served = ServedPeriods()
+        self.served = None if costs.observed else ServedPeriods()
+        """Where the runner observes its steps itself (``StepCosts.observed``) the cost model already follows them."""
         self._logged_at = time.monotonic()
 
     def record(self, accepted_nodes: torch.Tensor, num_verified: torch.Tensor) -> None:
@@ -373,12 +374,13 @@ class AdaptiveBudget:
         self.chosen[k] += 1
         self._recent[k] += 1
         now = time.monotonic()
-        self.served.tick(num_reqs, k, now)
+        if self.served is not None:
+            self.served.tick(num_reqs, k, now)
         if now - self._logged_at >= LOG_INTERVAL_S:
             self._logged_at = now
             seen = self.stats.expected()
             costs = {b: self.costs.cost(num_reqs, b) for b in self.budgets}
-            served = {b: self.served.median(num_reqs, b) for b in self.budgets}
+            served = {b: self.served.median(num_reqs, b) for b in self.budgets} if self.served is not None else {}
             logger.info(
                 "DDTree adaptive budget: the last %d steps verified %s; accepted drafts by budget %s; "
                 "step ms by budget at %d requests %s, served %s",
@@ -429,7 +431,7 @@ class AdaptiveBudget:
         since = self._choices - self._switch_explored_at
         if (
             other is not None
-            and since >= SWITCH_EXPLORE_WHILE_ON  # the floor of every interval: costs are looked up once it is reached
+            and since >= (SWITCH_EXPLORE_WHILE_ON if other == 0 else SWITCH_EXPLORE_EVERY)  # floor before cost lookups
             and since >= self.switch_explore_interval(num_reqs, best, other)
         ):
             self._switch_explored_at = self._choices
