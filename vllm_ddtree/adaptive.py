@@ -7,9 +7,10 @@ configured budget) for a batch of ``r`` requests by maximising ``(1 + E[accepted
 (speculating only where that beats no speculation by ``SPECULATION_MARGIN``):
 
 * ``StepCosts``: seconds of a decode step of ``r`` requests at budget ``k``, timed at start-up (dummy decode
-  steps of the real runner, graphs where vLLM captured them) and corrected online by what steps of each ``k``
-  actually take (``observe``) where the runner can time a step without waiting on the device (vLLM-CPU; Model
-  Runner V2 keeps the start-up curve).
+  steps of the real runner, graphs where vLLM captured them) and corrected online by what served steps of each
+  ``k`` take (``observe``), without waiting on the device: vLLM-CPU's runner times its steps, and on Model Runner
+  V2 the interval between two of the scheduler's choices is one engine step (``ServedPeriods``), with the host's
+  share of serving that the dummy steps leave out.
 * ``AcceptanceStats``: accepted draft tokens per request for every candidate ``k`` at once, from each step's
   accepted paths: a ``k``-node prefix accepts exactly the path's nodes numbered ``<= k``. Counted on the device,
   read back through a copy that is only looked at once it has landed (no host synchronisation in the decode loop).
@@ -18,11 +19,9 @@ Budgets never seen get the optimistic ``min(k, max_depth)`` until a step shows t
 first seen each budget runs a burst of ``EXPLORE_BURST`` steps, and then every ``EXPLORE_EVERY`` choices a
 neighbouring budget above 0 that is not far behind runs a burst, and now and then the other side of the speculation
 switch (``switch_explore_interval``; its burst replaces that side's step-time readings in the bucket), so the
-estimates follow the traffic. No drafts are explored only where step times are observed (``StepCosts.observed``):
-elsewhere such a burst teaches nothing and leaves gaps in the drafter's context. Speculation switches off as soon as it
-stops paying (once the estimate saying so rests on ``TRUSTED_ROWS`` rows), and on again only ``MODE_DWELL``
-choices after the last switch. ``VLLM_DDTREE_ADAPTIVE_FORCE``
-replaces the choice by a fixed cycle of budgets (tests and benches).
+estimates follow the traffic. Speculation switches off as soon as it stops paying (once the estimate saying so rests
+on ``TRUSTED_ROWS`` rows), and on again only ``MODE_DWELL`` choices after the last switch.
+``VLLM_DDTREE_ADAPTIVE_FORCE`` replaces the choice by a fixed cycle of budgets (tests and benches).
 """
 
 from __future__ import annotations
@@ -46,21 +45,21 @@ turn), to keep its acceptance and cost estimates current."""
 EXPLORE_WITHIN = 0.7
 """Only budgets expected at this fraction of the best's tokens per second or more are explored."""
 MODE_DWELL = 32
-"""Choices after a switch of speculation before it may switch on again: a step without drafts skips the drafter pass,
-so its requests' drafter context has a gap there, and switches are kept rare. Switching off never waits: a batch
-that grew (a burst of arrivals after a quiet spell) must not verify trees it cannot afford for the dwell's steps
-(budgets above 0 switch freely)."""
+"""Choices after a switch of speculation before it may switch on again, so that switches stay rare. Switching off
+never waits: a batch that grew (a burst of arrivals after a quiet spell) must not verify trees it cannot afford for
+the dwell's steps (budgets above 0 switch freely)."""
 SWITCH_EXPLORE_EVERY = 512
 """At least this many choices between bursts of the best budget while not speculating, so an estimate gone stale on
 that side cannot pin the choice."""
 SWITCH_EXPLORE_WHILE_ON = 64
-"""Choices between bursts of no drafts while speculating, where step times are observed while serving (vLLM-CPU;
-elsewhere such a burst would teach nothing and leave gaps in the drafter's context). Contention on a shared CPU (a
-burst of arrivals) can slow the plain steps for a while; if speculation switched on then, their readings must not
-stand for long: tens of seconds of trees verified where plain steps would serve more."""
+"""At least this many choices between bursts of no drafts while speculating. Contention on a shared CPU (a burst of
+arrivals) can slow the plain steps for a while; if speculation switched on then, their readings must not stand for
+long: tens of seconds of trees verified where plain steps would serve more. Where trees serve far more than plain
+steps the bursts come rarer (``SWITCH_EXPLORE_SHARE``)."""
 SWITCH_EXPLORE_SHARE = 0.02
-"""While not speculating, the trees' bursts may take at most this share of the steps' time: where a tree step costs
-many plain ones (a compute-bound CPU), they come rarer than every ``SWITCH_EXPLORE_EVERY`` choices."""
+"""Bursts of the other side of the speculation switch may cost at most this share: while not speculating, of the
+steps' time (where a tree step costs many plain ones, a compute-bound CPU, they come rarer than every
+``SWITCH_EXPLORE_EVERY`` choices); while speculating, of the tokens the trees would have served instead."""
 EXPLORE_BURST = 4
 """Consecutive steps an explored budget runs (its first step follows another budget and is not observed)."""
 RATIO_WINDOW = 16
@@ -80,8 +79,9 @@ SERVED_IDLE_GAP_S = 0.5
 """Intervals between choices longer than this are idle gaps (no requests), not steps (``ServedPeriods``)."""
 TRUSTED_ROWS = 32.0
 """Decayed request rows the best speculating budget's acceptance must rest on before speculation may switch off. The
-first bursts are a few steps of one request at low concurrency, which can read far below what the trees accept; once
-off, nothing is counted (``AdaptiveBudget.record``), so an estimate that small would keep speculation off for good."""
+first bursts are a few steps of one request at low concurrency, which can read far below what the trees accept; an
+estimate that small could keep speculation off for long (for good where trees explored while off are not counted,
+``AdaptiveBudget.record``)."""
 
 
 def candidate_budgets(budget: int) -> tuple[int, ...]:
@@ -162,10 +162,7 @@ class StepCosts:
     only ever grows by interference (another process on the core, a collection).
     """
 
-    def __init__(self, measured: dict[int, dict[int, float]], observed: bool = False) -> None:
-        self.observed = observed
-        """The runner ``observe``s served steps (vLLM-CPU); Model Runner V2 does not, so there a budget's readings
-        never change while serving and exploring it for its cost teaches nothing."""
+    def __init__(self, measured: dict[int, dict[int, float]]) -> None:
         self._reqs = {k: sorted(v) for k, v in measured.items() if v}
         self._secs = {k: [measured[k][r] for r in self._reqs[k]] for k in self._reqs}
         self._ratios: dict[tuple[int, int], deque[float]] = {}
@@ -283,31 +280,30 @@ class AcceptanceStats:
 
 
 class ServedPeriods:
-    """What served steps take as the choosing side sees them, for the policy's log beside the cost model's estimate.
+    """Served steps timed from the choosing side: Model Runner V2's scheduler, which chooses each step's budget.
 
-    The interval between two choices is one engine step with the host's share of serving in it (scheduling, output
-    processing, streaming), which the start-up dummy steps leave out. It is kept per budget and request-count bucket
-    once three choices in a row had the same shape: with one step in flight (Model Runner V2's async scheduling
-    chooses a step ahead), the interval between the last two is then a step of that shape.
+    Under async scheduling the interval between two choices is one engine step (the device's step or the host's
+    loop, whichever is longer), with the host's share of serving in it (scheduling, output processing, streaming),
+    which the start-up dummy steps leave out; timing it waits on nothing. With one step in flight, the step that
+    ends between two choices was chosen two choices back, so the interval is a step of budget ``k`` once the three
+    choices had ``k`` in one request-count bucket (requests come and go every few steps under load; the bucket's
+    cost hardly moves).
     """
 
     def __init__(self) -> None:
-        self._last: deque[tuple[tuple[int, int], float]] = deque(maxlen=2)
-        self._periods: dict[tuple[int, int], deque[float]] = {}
+        self._last: deque[tuple[tuple[int, int], int, float]] = deque(maxlen=2)  # ((k, bucket), requests, time)
 
-    def tick(self, num_reqs: int, k: int, now: float) -> None:
-        """A choice of budget ``k`` for ``num_reqs`` requests at time ``now`` (seconds)."""
-        shape = (num_reqs, k)
-        if len(self._last) == 2 and all(s == shape for s, _ in self._last):
-            period = now - self._last[-1][1]
+    def tick(self, num_reqs: int, k: int, now: float) -> tuple[int, float] | None:
+        """A choice of budget ``k`` for ``num_reqs`` requests at time ``now`` (seconds): the step it timed, as
+        (its requests, seconds), or None."""
+        shape = (k, _bucket(num_reqs))
+        step = None
+        if len(self._last) == 2 and all(s == shape for s, _, _ in self._last):
+            period = now - self._last[-1][2]
             if 0.0 < period < SERVED_IDLE_GAP_S:
-                self._periods.setdefault((k, _bucket(num_reqs)), deque(maxlen=RATIO_WINDOW)).append(period)
-        self._last.append((shape, now))
-
-    def median(self, num_reqs: int, k: int) -> float | None:
-        """Median served period of budget ``k`` in the bucket of ``num_reqs`` (None before any)."""
-        periods = self._periods.get((k, _bucket(num_reqs)))
-        return statistics.median(periods) if periods else None
+                step = (self._last[0][1], period)  # the step that ended in it was chosen two choices back
+        self._last.append((shape, num_reqs, now))
+        return step
 
 
 class AdaptiveBudget:
@@ -320,6 +316,8 @@ class AdaptiveBudget:
         stats: AcceptanceStats,
         max_depth: int,
         forced: Sequence[int] | None = None,
+        served: ServedPeriods | None = None,
+        full_context: bool = False,
     ) -> None:
         self.budgets = tuple(budgets)
         self.costs = costs
@@ -334,8 +332,11 @@ class AdaptiveBudget:
         self.chosen: Counter[int] = Counter()
         """How often each budget was chosen (tests, benches)."""
         self._recent: Counter[int] = Counter()
-        self.served = None if costs.observed else ServedPeriods()
-        """Where the runner observes its steps itself (``StepCosts.observed``) the cost model already follows them."""
+        self.served = served
+        """Times served steps from the choices (Model Runner V2); None where the runner ``observe``s its own."""
+        self.full_context = full_context
+        """Steps without drafts still write the drafter's context (Model Runner V2): trees drafted after them are
+        drafted as they would be while speculating."""
         self._logged_at = time.monotonic()
 
     def record(self, accepted_nodes: torch.Tensor, num_verified: torch.Tensor) -> None:
@@ -345,11 +346,11 @@ class AdaptiveBudget:
         * before its first choice the steps are the engine's warm-up (Model Runner V2's ``warmup_kernels`` runs a
           decode step of every request slot with dummy drafts after graph capture), whose near-zero acceptance
           over ``max_num_seqs`` rows would outweigh the first hundreds of served steps;
-        * while it does not speculate, the trees of its exploration bursts are drafted from contexts with holes
-          (steps without drafts skip the drafter pass), so they accept less than trees would once speculating:
-          counted, they would keep the policy from ever switching back. The estimate from the last speculating
-          period stands instead, and the cost side (the load) decides the switch."""
-        if self._choices and self._mode != 0:
+        * while it does not speculate, unless steps without drafts write the drafter's context (``full_context``):
+          where they skip the drafter pass, the trees of the exploration bursts are drafted from contexts with holes
+          and accept less than trees would once speculating; counted, they would keep the policy from switching
+          back. The estimate from the last speculating period stands instead, and the cost side decides."""
+        if self._choices and (self._mode != 0 or self.full_context):
             self.stats.record(accepted_nodes, num_verified)
 
     def expected_accepted(self, k: int, seen: dict[int, float]) -> float:
@@ -375,21 +376,22 @@ class AdaptiveBudget:
         self._recent[k] += 1
         now = time.monotonic()
         if self.served is not None:
-            self.served.tick(num_reqs, k, now)
+            step = self.served.tick(num_reqs, k, now)
+            if step is not None:
+                self.costs.observe(step[0], k, step[1])
         if now - self._logged_at >= LOG_INTERVAL_S:
             self._logged_at = now
             seen = self.stats.expected()
             costs = {b: self.costs.cost(num_reqs, b) for b in self.budgets}
-            served = {b: self.served.median(num_reqs, b) for b in self.budgets} if self.served is not None else {}
             logger.info(
                 "DDTree adaptive budget: the last %d steps verified %s; accepted drafts by budget %s; "
-                "step ms by budget at %d requests %s, served %s",
+                "step ms by budget at %d requests %s (start-up model x %s)",
                 sum(self._recent.values()),
                 ", ".join(f"{b} nodes {n}x" for b, n in sorted(self._recent.items())),
                 {b: round(a, 2) for b, a in sorted(seen.items())},
                 num_reqs,
                 {b: round(c * 1e3, 2) for b, c in costs.items() if c is not None},
-                {b: round(c * 1e3, 2) for b, c in served.items() if c is not None},
+                {b: round(self.costs.scale(b, num_reqs), 2) for b in self.budgets},
             )
             self._recent.clear()
         return k
@@ -406,8 +408,6 @@ class AdaptiveBudget:
             return self._burst[0]
         bucket = _bucket(num_reqs)
         for _, k in ranked:  # a request-count bucket first seen: each budget runs a burst there
-            if k == 0 and not self.costs.observed:
-                continue  # no drafts teach nothing unobserved, and would leave gaps in the first trees' context
             if (k, bucket) not in self._tries:
                 self._tries[k, bucket] = 1
                 return self._start_burst(k)
@@ -424,15 +424,12 @@ class AdaptiveBudget:
             else:  # the switch itself read the other side: its next burst waits a whole interval
                 self._mode, self._mode_since = best, self._choices
                 self._switch_explored_at = self._choices
-        if best > 0:  # while speculating, no drafts are explored only where their step times are observed
-            other = 0 if self.costs.observed else None
-        else:
-            other = speculating[0][1] if speculating else None
+        other = 0 if best > 0 else (speculating[0][1] if speculating else None)
         since = self._choices - self._switch_explored_at
         if (
             other is not None
             and since >= (SWITCH_EXPLORE_WHILE_ON if other == 0 else SWITCH_EXPLORE_EVERY)  # floor before cost lookups
-            and since >= self.switch_explore_interval(num_reqs, best, other)
+            and since >= self.switch_explore_interval(num_reqs, best, other, value)
         ):
             self._switch_explored_at = self._choices
             self.costs.forget(other, num_reqs)  # its readings were taken under the load of the last switch
@@ -445,12 +442,14 @@ class AdaptiveBudget:
                 return self._start_burst(min(neighbours) if upward else max(neighbours))
         return best
 
-    def switch_explore_interval(self, num_reqs: int, best: int, other: int) -> int:
-        """Choices between bursts of ``other`` (the other side of the speculation switch) while ``best`` runs:
-        ``SWITCH_EXPLORE_EVERY``, or more where a burst of ``other`` would take over ``SWITCH_EXPLORE_SHARE`` of
-        the time, or ``SWITCH_EXPLORE_WHILE_ON`` for no drafts (explored only where step times are observed)."""
+    def switch_explore_interval(self, num_reqs: int, best: int, other: int, value: dict[int, float]) -> int:
+        """Choices between bursts of ``other`` (the other side of the speculation switch) while ``best`` runs, so
+        that the bursts cost at most ``SWITCH_EXPLORE_SHARE``: of the tokens (``value``: tokens per second by
+        budget) for no drafts while speculating, at least ``SWITCH_EXPLORE_WHILE_ON``; of the time for trees while
+        not speculating, at least ``SWITCH_EXPLORE_EVERY``."""
         if other == 0:
-            return SWITCH_EXPLORE_WHILE_ON
+            loss = 1.0 - value.get(0, 0.0) / value[best] if value.get(best) else 0.0
+            return max(SWITCH_EXPLORE_WHILE_ON, math.ceil(EXPLORE_BURST * loss / SWITCH_EXPLORE_SHARE))
         cost_best, cost_other = self.costs.cost(num_reqs, best), self.costs.cost(num_reqs, other)
         if not cost_best or not cost_other:
             return SWITCH_EXPLORE_EVERY
@@ -484,17 +483,24 @@ def timed_policy(
     sync: Callable[[], None],
     device: torch.device,
     max_depth: int,
-    observed: bool,
+    scheduler_side: bool,
 ) -> AdaptiveBudget:
-    """The policy of one runner: its start-up step timings (``measure_step_costs``; ``observed``: the runner
-    corrects them with served steps), fresh acceptance counts, and the forced cycle of
-    ``VLLM_DDTREE_ADAPTIVE_FORCE`` if set; logged once."""
+    """The policy of one runner: its start-up step timings (``measure_step_costs``), fresh acceptance counts, and
+    the forced cycle of ``VLLM_DDTREE_ADAPTIVE_FORCE`` if set; logged once. ``scheduler_side``: Model Runner V2's
+    scheduler chooses (served steps are timed from its choices, ``ServedPeriods``) and steps without drafts write
+    the drafter's context (``AdaptiveBudget.full_context``); else the runner observes its steps itself."""
     from vllm_ddtree import envs
 
-    costs = StepCosts(measure_step_costs(run_step, budgets, max_num_reqs, fits, sync), observed)
+    costs = StepCosts(measure_step_costs(run_step, budgets, max_num_reqs, fits, sync))
     forced = envs.VLLM_DDTREE_ADAPTIVE_FORCE
     policy = AdaptiveBudget(
-        budgets, costs, AcceptanceStats(budgets, device), max_depth, forced_budgets(forced, budgets) if forced else None
+        budgets,
+        costs,
+        AcceptanceStats(budgets, device),
+        max_depth,
+        forced_budgets(forced, budgets) if forced else None,
+        served=ServedPeriods() if scheduler_side else None,
+        full_context=scheduler_side,
     )
     logger.info("DDTree adaptive budget: %s", describe_policy(policy, max_num_reqs))
     return policy

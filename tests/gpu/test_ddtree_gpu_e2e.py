@@ -3,6 +3,7 @@ own greedy output, and the verify and drafter steps replay FULL CUDA graphs. Run
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -178,13 +179,41 @@ def _policy_state(llm) -> tuple[list[int], dict[int, float], int]:
     return policy.costs.budgets, policy.stats.expected(), policy._choices
 
 
+MODELS = Path(__file__).resolve().parents[2] / "models"
+
+
+def test_adaptive_steps_without_drafts_keep_the_drafter_context(monkeypatch) -> None:
+    """Steps without drafts still write their tokens into the drafter's context (the DFlash context K/V, no drafter
+    pass): on the embedded trained pair, trees verified after three plain steps accept about as much as trees
+    verified every step (drafted from a context with holes they would accept far less); greedy output is the same."""
+    from vllm import LLM
+
+    from vllm_ddtree.adaptive import local_policy
+
+    held_out = [{"prompt_token_ids": p} for p in json.loads((MODELS / "heldout_prompts.json").read_text())[:16]]
+    spec = {"method": "ddtree", "model": str(MODELS / "stdlib-qwen3-tiny-dflash"), "num_speculative_tokens": 15}
+    out, accepted = {}, {}
+    for cycle in ("15", "15,0,0,0"):
+        monkeypatch.setenv("VLLM_DDTREE_ADAPTIVE_FORCE", cycle)
+        llm = LLM(model=str(MODELS / "stdlib-qwen3-tiny"), speculative_config=spec, async_scheduling=True, **ENGINE)
+        out[cycle] = generate(llm, held_out, batch=8, max_tokens=96)
+        policy = local_policy()
+        assert policy is not None
+        accepted[cycle] = policy.stats.expected()[15]
+        del llm
+        free()
+    print(f"accepted drafts per tree, every step a tree / one in four: {accepted}")
+    assert out["15,0,0,0"] == out["15"]
+    assert accepted["15,0,0,0"] >= 0.8 * accepted["15"] and accepted["15"] > 1.0, accepted
+
+
 def test_adaptive_budget_switching_widths_stays_exact(tiny_pair, reference, monkeypatch) -> None:
     """A forced cycle of budgets (no speculation, prefixes, the whole tree) switches the verify width every step:
     greedy output is still the target's, each width replays FULL graphs; then the real policy decodes the same."""
     from vllm import LLM
 
     spec = {"method": "ddtree", "model": str(tiny_pair[1]), "num_speculative_tokens": 7}
-    monkeypatch.setenv("VLLM_DDTREE_ADAPTIVE_FORCE", "7,0,3,1,0,7,3")
+    monkeypatch.setenv("VLLM_DDTREE_ADAPTIVE_FORCE", "7,0,0,3,1,0,7,3")
     llm = LLM(model=str(tiny_pair[0]), speculative_config=spec, async_scheduling=True, **ENGINE)
     verify = ReplayCounter(runner(llm).cudagraph_manager)
     assert generate(llm, prompts(), batch=8) == reference

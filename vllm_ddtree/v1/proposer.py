@@ -165,7 +165,7 @@ class DDTreeProposer(DFlashProposer):
             lambda: None,
             self.device,
             depth,
-            observed=True,  # _observe_step
+            scheduler_side=False,  # _observe_step
         )
 
     @torch.inference_mode()

@@ -3,7 +3,9 @@
 ``DDTreeSpeculator`` is a ``DFlashSpeculator`` whose captured ``_generate_draft`` also takes the top-k and builds the
 trees, so the whole drafter step replays as one FULL CUDA graph; the trees go to the persistent buffers of its step
 state (``step``), indexed by request state. Before drafting it turns the verify step back into the accepted path:
-linear positions, and the path nodes' target hidden states permuted into path order.
+linear positions, and the path nodes' target hidden states permuted into path order. Before a step without drafts
+(the adaptive budget's 0) it writes the step's context into the drafter's cache and skips the drafter pass, so the
+drafter's context has no holes when trees come back.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
+from vllm_ddtree.accept import AcceptedPaths
 from vllm_ddtree.adaptive import register_local, timed_policy
 from vllm_ddtree.config import DDTreeConfig, get_ddtree_config
 from vllm_ddtree.draft_topk import topk_logprobs
@@ -66,6 +69,9 @@ class DDTreeSpeculator(DFlashSpeculator):
         install_tree_masks(self.step.masks)
         self.context_kv_graphs: ContextKVGraphs | None = None
         self.combine_graphs: CombineGraphs | None = None
+        self._context_only = False
+        """This ``propose`` writes the drafter's context and skips its pass (the next step verifies no drafts)."""
+        self._path_kernel_compiled = False
 
     def _copy_request_inputs(
         self, num_reqs: int, idx_mapping: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor
@@ -139,7 +145,7 @@ class DDTreeSpeculator(DFlashSpeculator):
             torch.accelerator.synchronize,
             self.device,
             self.ddtree.max_depth,
-            observed=False,  # the scheduler chooses ahead of the GPU: no step is timed while serving
+            scheduler_side=True,
         )
         self.step.adaptive = policy
         register_local(policy)
@@ -158,6 +164,19 @@ class DDTreeSpeculator(DFlashSpeculator):
             runner.decode_query_len = saved
             self.step.skip_drafter = False
 
+    def _build_draft_attn_metadata(self, *args: Any, **kwargs: Any) -> dict[str, Any] | None:
+        return None if self._context_only else super()._build_draft_attn_metadata(*args, **kwargs)
+
+    def _no_paths(self, num_reqs: int) -> AcceptedPaths | None:
+        """Once, in a dummy run: paths that accept nothing, so that the path-context kernel compiles its
+        specialisation during start-up (dummy steps verify no trees) instead of at the first served one."""
+        if self._path_kernel_compiled or num_reqs == 0:
+            return None
+        self._path_kernel_compiled = True
+        nodes = torch.full((num_reqs, self.ddtree.max_depth + 1), -1, dtype=torch.int64, device=self.device)
+        none = torch.zeros(num_reqs, dtype=torch.int64, device=self.device)
+        return AcceptedPaths(accepted_nodes=nodes, num_accepted=none, output_tokens=nodes)
+
     def _generate_draft(
         self,
         num_reqs: int,
@@ -168,6 +187,8 @@ class DDTreeSpeculator(DFlashSpeculator):
         cudagraph_runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE,
     ) -> None:
         """The captured drafter step: DFlash pass, per-depth top-k log-probs, trees into the persistent buffers."""
+        if self._context_only:
+            return
         hidden = self._run_model(
             num_tokens_padded, attn_metadata, slot_mappings, num_tokens_across_dp, cudagraph_runtime_mode
         )
@@ -204,12 +225,11 @@ class DDTreeSpeculator(DFlashSpeculator):
         is_profile: bool = False,
     ) -> torch.Tensor:
         """Drafter context = the accepted path (linear positions, path-ordered hidden rows), combined from graphs
-        where captured, then DFlash + trees; nothing when the next step verifies no drafts (its drafts are never
-        read)."""
-        paths = self.step.take_paths()
-        if self.step.skip_drafter:
-            return self.draft_tokens[: input_batch.num_reqs]
-        if paths is not None and not dummy_run:
+        where captured, then DFlash + trees. When the next step verifies no drafts (its drafts are never read),
+        DFlash only writes the context K/V: its drafter pass runs through ``_generate_draft`` (``is_profile``
+        dispatches it eagerly), which then returns at once, without attention metadata."""
+        paths = self._no_paths(input_batch.num_reqs) if dummy_run else self.step.take_paths()
+        if paths is not None:
             restore_path_context(
                 input_batch.positions,
                 list(aux_hidden_states or [last_hidden_states]),
@@ -227,21 +247,25 @@ class DDTreeSpeculator(DFlashSpeculator):
         ):
             # The replay wrote DFlash's hidden rows; DFlash's own copy of them onto themselves is a no-op.
             aux_hidden_states, last_hidden_states = None, self.hidden_states
-        return super().propose(
-            input_batch,
-            attn_metadata,
-            slot_mappings,
-            last_hidden_states,
-            aux_hidden_states,
-            num_sampled,
-            num_rejected,
-            last_sampled,
-            next_prefill_tokens,
-            temperature,
-            seeds,
-            num_tokens_across_dp,
-            dummy_run,
-            skip_attn_for_dummy_run,
-            mm_inputs,
-            is_profile,
-        )
+        self._context_only = self.step.skip_drafter
+        try:
+            return super().propose(
+                input_batch,
+                attn_metadata,
+                slot_mappings,
+                last_hidden_states,
+                aux_hidden_states,
+                num_sampled,
+                num_rejected,
+                last_sampled,
+                next_prefill_tokens,
+                temperature,
+                seeds,
+                num_tokens_across_dp,
+                dummy_run,
+                skip_attn_for_dummy_run,
+                mm_inputs,
+                is_profile or self._context_only,
+            )
+        finally:
+            self._context_only = False
