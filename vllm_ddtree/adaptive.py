@@ -399,6 +399,7 @@ class AdaptiveBudget:
     def _choose(self, num_reqs: int) -> int:
         self._choices += 1
         if self.forced is not None:
+            self.stats.expected()  # takes the last landed copy, so the next step's counts are copied (tests, logs)
             return self.forced[(self._choices - 1) % len(self.forced)]
         ranked = self.ranked(max(num_reqs, 1))
         if not ranked:
