@@ -154,15 +154,19 @@ class StepCosts:
     """Seconds of one decode step of ``r`` requests verifying ``k`` drafts each.
 
     ``measured[k]`` maps request counts to start-up timings; between them the cost is interpolated linearly, below
-    the smallest it is the smallest, above the largest it follows the last two points' slope, and budgets without
-    timings are not offered (``covers``: a step of that many tokens did not fit the runner). ``observe`` scales a
+    the smallest it is the smallest, above the largest it follows the last two points' slope. Budgets without
+    timings are not offered, nor where ``offered(r, k)`` says no (``covers``; Model Runner V2: verify batches
+    beyond the largest FULL CUDA graph, which run without graphs for the whole step). ``observe`` scales a
     budget's curve by what its steps take over what was predicted, which picks up the per-step work a dummy step
     does not do (the tree walk, KV compaction, the host's share): the median of the last ``RATIO_WINDOW`` ratios in
     the observed request count's power-of-two bucket, else of the budget's, else 1. Medians, because a step's time
     only ever grows by interference (another process on the core, a collection).
     """
 
-    def __init__(self, measured: dict[int, dict[int, float]]) -> None:
+    def __init__(
+        self, measured: dict[int, dict[int, float]], offered: Callable[[int, int], bool] | None = None
+    ) -> None:
+        self._offered = offered
         self._reqs = {k: sorted(v) for k, v in measured.items() if v}
         self._secs = {k: [measured[k][r] for r in self._reqs[k]] for k in self._reqs}
         self._ratios: dict[tuple[int, int], deque[float]] = {}
@@ -173,11 +177,7 @@ class StepCosts:
         return sorted(self._reqs)
 
     def covers(self, num_reqs: int, k: int) -> bool:
-        return k in self._reqs and num_reqs <= self._max_reqs
-
-    @property
-    def _max_reqs(self) -> int:
-        return max(reqs[-1] for reqs in self._reqs.values())
+        return k in self._reqs and (self._offered is None or self._offered(num_reqs, k))
 
     def predicted(self, num_reqs: int, k: int) -> float | None:
         """The start-up curve at ``num_reqs`` (None for budgets without timings)."""
@@ -195,7 +195,8 @@ class StepCosts:
         return max(secs[i - 1] + (secs[i] - secs[i - 1]) * (num_reqs - r0) / (r1 - r0), 0.0)
 
     def cost(self, num_reqs: int, k: int) -> float | None:
-        predicted = self.predicted(num_reqs, k)
+        """The scaled curve where budget ``k`` is offered for ``num_reqs`` requests, else None."""
+        predicted = self.predicted(num_reqs, k) if self.covers(num_reqs, k) else None
         return None if predicted is None else predicted * self.scale(k, num_reqs)
 
     def observe(self, num_reqs: int, k: int, seconds: float) -> None:
@@ -332,6 +333,7 @@ class AdaptiveBudget:
         self.chosen: Counter[int] = Counter()
         """How often each budget was chosen (tests, benches)."""
         self._recent: Counter[int] = Counter()
+        self._recent_reqs: Counter[int] = Counter()
         self.served = served
         """Times served steps from the choices (Model Runner V2); None where the runner ``observe``s its own."""
         self.full_context = full_context
@@ -374,6 +376,7 @@ class AdaptiveBudget:
         k = self._choose(num_reqs)
         self.chosen[k] += 1
         self._recent[k] += 1
+        self._recent_reqs[_bucket(num_reqs)] += 1
         now = time.monotonic()
         if self.served is not None:
             step = self.served.tick(num_reqs, k, now)
@@ -382,18 +385,20 @@ class AdaptiveBudget:
         if now - self._logged_at >= LOG_INTERVAL_S:
             self._logged_at = now
             seen = self.stats.expected()
-            costs = {b: self.costs.cost(num_reqs, b) for b in self.budgets}
+            reqs = self._recent_reqs.most_common(1)[0][0]  # the period's usual load, not this choice's
+            costs = {b: self.costs.cost(reqs, b) for b in self.budgets}
             logger.info(
                 "DDTree adaptive budget: the last %d steps verified %s; accepted drafts by budget %s; "
-                "step ms by budget at %d requests %s (start-up model x %s)",
+                "step ms by budget at %d requests (most steps' bucket) %s (start-up model x %s)",
                 sum(self._recent.values()),
                 ", ".join(f"{b} nodes {n}x" for b, n in sorted(self._recent.items())),
                 {b: round(a, 2) for b, a in sorted(seen.items())},
-                num_reqs,
+                reqs,
                 {b: round(c * 1e3, 2) for b, c in costs.items() if c is not None},
-                {b: round(self.costs.scale(b, num_reqs), 2) for b in self.budgets},
+                {b: round(self.costs.scale(b, reqs), 2) for b in self.budgets},
             )
             self._recent.clear()
+            self._recent_reqs.clear()
         return k
 
     def _choose(self, num_reqs: int) -> int:
@@ -485,14 +490,16 @@ def timed_policy(
     device: torch.device,
     max_depth: int,
     scheduler_side: bool,
+    offered: Callable[[int, int], bool] | None = None,
 ) -> AdaptiveBudget:
-    """The policy of one runner: its start-up step timings (``measure_step_costs``), fresh acceptance counts, and
-    the forced cycle of ``VLLM_DDTREE_ADAPTIVE_FORCE`` if set; logged once. ``scheduler_side``: Model Runner V2's
+    """The policy of one runner: its start-up step timings (``measure_step_costs`` of the shapes that ``fits``;
+    ``offered``: ``StepCosts``), fresh acceptance counts, and the forced cycle of ``VLLM_DDTREE_ADAPTIVE_FORCE`` if
+    set; logged once. ``scheduler_side``: Model Runner V2's
     scheduler chooses (served steps are timed from its choices, ``ServedPeriods``) and steps without drafts write
     the drafter's context (``AdaptiveBudget.full_context``); else the runner observes its steps itself."""
     from vllm_ddtree import envs
 
-    costs = StepCosts(measure_step_costs(run_step, budgets, max_num_reqs, fits, sync))
+    costs = StepCosts(measure_step_costs(run_step, budgets, max_num_reqs, fits, sync), offered)
     forced = envs.VLLM_DDTREE_ADAPTIVE_FORCE
     policy = AdaptiveBudget(
         budgets,

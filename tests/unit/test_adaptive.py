@@ -55,7 +55,7 @@ def test_step_costs_interpolate_extrapolate_and_learn() -> None:
     assert costs.predicted(1, 0) == 1.0 and costs.predicted(2, 0) == pytest.approx(4 / 3)
     assert costs.predicted(8, 0) == pytest.approx(2.0 + 4 * (1 / 3))  # the last two points' slope
     assert costs.predicted(3, 7) == pytest.approx(7.0) and costs.predicted(1, 3) is None
-    assert costs.covers(4, 7) and not costs.covers(5, 7) and not costs.covers(1, 3)
+    assert costs.covers(5, 7) and not costs.covers(1, 3)
     for _ in range(40):
         costs.observe(2, 7, 10.0)  # steps of 2 requests take twice the start-up curve
     costs.observe(2, 7, 500.0)  # one step beside a collection: the median ignores it
@@ -64,6 +64,19 @@ def test_step_costs_interpolate_extrapolate_and_learn() -> None:
         costs.observe(8, 7, 3 * costs.predicted(8, 7))  # the 8-request bucket learns its own ratio
     assert costs.scale(7, 8) == pytest.approx(3.0) and costs.scale(7, 2) == pytest.approx(2.0)
     assert costs.scale(0) == 1.0 and costs.observations(7) == 16
+
+
+def test_budgets_are_offered_only_where_their_verify_has_a_graph() -> None:
+    """Model Runner V2 offers a width to ``r`` requests only where ``r * (k + 1)`` tokens replay a FULL graph (16
+    here): wider verifies run the whole step without graphs, which no start-up curve of graphed steps predicts."""
+    costs = StepCosts(
+        {0: {1: 1.0, 8: 1.0}, 3: {1: 1.0, 4: 1.0}, 7: {1: 1.0, 2: 1.0}}, lambda r, k: k == 0 or r * (k + 1) <= 16
+    )
+    assert costs.covers(2, 7) and not costs.covers(3, 7) and costs.covers(4, 3) and costs.covers(64, 0)
+    assert costs.cost(3, 7) is None and costs.cost(3, 3) == 1.0
+    stats = AcceptanceStats((0, 3, 7), torch.device("cpu"))
+    policy = AdaptiveBudget((0, 3, 7), costs, stats, max_depth=7)
+    assert [k for _, k in policy.ranked(2)] == [7, 3, 0] and [k for _, k in policy.ranked(8)] == [0]
 
 
 def test_measure_step_costs_visits_the_grid_that_fits() -> None:

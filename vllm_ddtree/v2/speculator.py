@@ -46,6 +46,18 @@ def build_trees_with_chains(
     return dataclasses.replace(trees, num_nodes=num_nodes)
 
 
+def full_graph_tokens(vllm_config: Any) -> int:
+    """Tokens of the largest uniform decode batch that replays a FULL CUDA graph: the adaptive budget offers a
+    width to ``r`` requests only where ``r * width`` tokens fit, since a wider verify runs the whole step without graphs
+    (at vLLM's default 512 tokens, budget 15 up to 32 requests, 7 up to 64, 3 up to 128). Without FULL decode graphs,
+    every batch the scheduler may form."""
+    compilation = vllm_config.compilation_config
+    max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+    if compilation.cudagraph_mode.decode_mode() != CUDAGraphMode.FULL:
+        return max_tokens
+    return min(compilation.max_cudagraph_capture_size or max_tokens, max_tokens)
+
+
 class DDTreeSpeculator(DFlashSpeculator):
     """Model Runner V2 DFlash speculator that drafts DDTree trees inside its FULL CUDA graph."""
 
@@ -136,16 +148,21 @@ class DDTreeSpeculator(DFlashSpeculator):
             )
             return
         budgets = self.ddtree.budgets
-        max_tokens = self.vllm_config.scheduler_config.max_num_batched_tokens
+        graph_tokens = full_graph_tokens(self.vllm_config)
+
+        def offered(num_reqs: int, k: int) -> bool:
+            return k == 0 or num_reqs * (k + 1) <= graph_tokens
+
         policy = timed_policy(
             lambda r, k: self._dummy_decode_step(runner, r, k),
             budgets,
             runner.max_num_reqs,
-            lambda r, k: r * (k + 1) <= max_tokens,
+            offered,
             torch.accelerator.synchronize,
             self.device,
             self.ddtree.max_depth,
             scheduler_side=True,
+            offered=offered,
         )
         self.step.adaptive = policy
         register_local(policy)
