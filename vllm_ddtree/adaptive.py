@@ -494,9 +494,9 @@ def timed_policy(
 ) -> AdaptiveBudget:
     """The policy of one runner: its start-up step timings (``measure_step_costs`` of the shapes that ``fits``;
     ``offered``: ``StepCosts``), fresh acceptance counts, and the forced cycle of ``VLLM_DDTREE_ADAPTIVE_FORCE`` if
-    set; logged once. ``scheduler_side``: Model Runner V2's
-    scheduler chooses (served steps are timed from its choices, ``ServedPeriods``) and steps without drafts write
-    the drafter's context (``AdaptiveBudget.full_context``); else the runner observes its steps itself."""
+    set; logged once. ``scheduler_side``: Model Runner V2's scheduler chooses (served steps are timed from its
+    choices, ``ServedPeriods``) and steps without drafts write the drafter's context
+    (``AdaptiveBudget.full_context``); else the runner observes its steps itself."""
     from vllm_ddtree import envs
 
     costs = StepCosts(measure_step_costs(run_step, budgets, max_num_reqs, fits, sync), offered)
