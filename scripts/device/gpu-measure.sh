@@ -18,6 +18,8 @@
 #                chain k=7, ddtree adaptive 15) started at once and measured in alternating passes at concurrency
 #                1 4 16 64 128, passes of >= 6 s (JOB_TIMEOUT=1100: 815 s on an H100 at a288f4a)
 #   serve-budgets  the same for ddtree at fixed budgets 8 16 32 63 (both pairs: 8 servers)
+#   serve-adaptive  the same for V2 chain k=7, ddtree adaptive 15 and adaptive 63 (both pairs: 6 servers; the
+#                widths-with-FULL-graphs rule at c64/c128, bigger trees at c1)
 #   serve-profile  the MLA pair under vLLM's default serving config at concurrency 1 4 16, with one profiled pass at
 #                16 (bench/trace_summary.py): ddtree 15 fixed, V2 chain k=7 (with and without this plugin loaded),
 #                ddtree adaptive 15, no spec
@@ -83,6 +85,9 @@ jobs_of() {
     serve-budgets)
       echo "0 sweep_budgets bench/serve_sweep.py --interleave --pairs mla gqa --configs ddtree-8 ddtree-16 ddtree-32" \
            "ddtree-63 --min-seconds 6 --logs $r/serve_logs --out $r/serve_sweep_budgets.json" ;;
+    serve-adaptive)
+      echo "0 sweep_adaptive bench/serve_sweep.py --interleave --pairs mla gqa --configs chain-7 adaptive-15" \
+           "adaptive-63 --min-seconds 6 --logs $r/serve_logs --out $r/serve_sweep_adaptive.json" ;;
     serve-profile)
       local c
       for c in ddtree-15 chain-7 vllmchain-7 adaptive-15 nospec; do
@@ -142,7 +147,7 @@ jobs_of() {
       grep -v '^\s*\(#\|$\)' "${1#jobs:}" | sed "s|\$RESULTS|$r|g" ;;
     *) echo "unknown stage '$1': step-a, step-b, acceptance, ops, tests, recheck, profile, profile-b16, profile-4k, offsets, offsets-wide," \
             "v1-plain, divergence, divergence-a, divergence-b, divergence-ab, numerics-tests, serve-sweep, serve-budgets," \
-            "serve-profile, serve-load, adaptive, load-faults" \
+            "serve-adaptive, serve-profile, serve-load, adaptive, load-faults" \
             "or jobs:FILE" >&2; return 2 ;;
   esac
 }
