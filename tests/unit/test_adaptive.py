@@ -79,6 +79,25 @@ def test_budgets_are_offered_only_where_their_verify_has_a_graph() -> None:
     assert [k for _, k in policy.ranked(2)] == [7, 3, 0] and [k for _, k in policy.ranked(8)] == [0]
 
 
+def test_the_largest_full_graph_is_vllms_capture_limit_where_decode_graphs_are_full() -> None:
+    from types import SimpleNamespace
+
+    from vllm.config.compilation import CUDAGraphMode
+
+    from vllm_ddtree.v2.speculator import full_graph_tokens
+
+    def config(mode: CUDAGraphMode, size: int | None) -> SimpleNamespace:
+        compilation = SimpleNamespace(cudagraph_mode=mode, max_cudagraph_capture_size=size)
+        return SimpleNamespace(
+            compilation_config=compilation, scheduler_config=SimpleNamespace(max_num_batched_tokens=8192)
+        )
+
+    assert full_graph_tokens(config(CUDAGraphMode.FULL_AND_PIECEWISE, 512)) == 512  # vLLM's default
+    assert full_graph_tokens(config(CUDAGraphMode.FULL_DECODE_ONLY, 16384)) == 8192  # no batch beyond the scheduler's
+    assert full_graph_tokens(config(CUDAGraphMode.PIECEWISE, 512)) == 8192  # no FULL decode graphs: nothing preferred
+    assert full_graph_tokens(config(CUDAGraphMode.NONE, 0)) == 8192
+
+
 def test_measure_step_costs_visits_the_grid_that_fits() -> None:
     runs: list[tuple[int, int]] = []
     got = measure_step_costs(lambda r, k: runs.append((r, k)), (0, 3), 8, lambda r, k: r * (k + 1) <= 16, lambda: None)
