@@ -178,12 +178,14 @@ def test_the_speculator_hands_dflash_the_replayed_rows_or_the_auxiliary_states(
     speculator = object.__new__(DDTreeSpeculator)
     speculator.step = SimpleNamespace(take_paths=lambda: None, skip_drafter=False)
     speculator.hidden_states = torch.zeros(8, 4)
+    speculator._path_kernel_compiled = True  # dummy runs restore no paths once the path kernel has compiled
     offered: list[list[torch.Tensor]] = []
     speculator.combine_graphs = SimpleNamespace(replay=lambda aux: offered.append(aux) or replayed)
     last, aux = torch.ones(3, 4), [torch.ones(3, 4), torch.ones(3, 4)]
     rest = (None, None, None, None, None, None)
-    speculator.propose(None, {}, {}, last, aux, *rest)
-    speculator.propose(None, {}, {}, last, aux, *rest, dummy_run=True)
+    batch = SimpleNamespace(num_reqs=3)
+    speculator.propose(batch, {}, {}, last, aux, *rest)
+    speculator.propose(batch, {}, {}, last, aux, *rest, dummy_run=True)
     assert offered == [aux], "dummy runs never replay"
     assert handed[0] == ((speculator.hidden_states, None) if replayed else (last, aux))
     assert handed[1] == (last, aux)
