@@ -245,7 +245,9 @@ class DDTreeSpeculator(DFlashSpeculator):
         where captured, then DFlash + trees. When the next step verifies no drafts (its drafts are never read),
         DFlash only writes the context K/V: its drafter pass runs through ``_generate_draft`` (``is_profile``
         dispatches it eagerly), which then returns at once, without attention metadata."""
-        paths = self._no_paths(input_batch.num_reqs) if dummy_run else self.step.take_paths()
+        paths = self.step.take_paths()  # read once: a dummy run drops what a real step left
+        if dummy_run:
+            paths = self._no_paths(input_batch.num_reqs)
         if paths is not None:
             restore_path_context(
                 input_batch.positions,
