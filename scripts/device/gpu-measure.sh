@@ -18,8 +18,8 @@
 #                chain k=7, ddtree adaptive 15) started at once and measured in alternating passes at concurrency
 #                1 4 16 64 128, passes of >= 6 s (JOB_TIMEOUT=1100: 815 s on an H100 at a288f4a)
 #   serve-budgets  the same for ddtree at fixed budgets 8 16 32 63 (both pairs: 8 servers)
-#   serve-adaptive  the same for V2 chain k=7, ddtree adaptive 15 and adaptive 63 (both pairs: 6 servers; the
-#                widths-with-FULL-graphs rule at c64/c128, bigger trees at c1)
+#   serve-adaptive  the same for no spec, V2 chain k=7, ddtree adaptive 15 and adaptive 63 (both pairs: 8 servers;
+#                the widths-with-FULL-graphs rule at c64/c128, bigger trees at c1; JOB_TIMEOUT=1300)
 #   serve-profile  the MLA pair under vLLM's default serving config at concurrency 1 4 16, with one profiled pass at
 #                16 (bench/trace_summary.py): ddtree 15 fixed, V2 chain k=7 (with and without this plugin loaded),
 #                ddtree adaptive 15, no spec
@@ -86,8 +86,8 @@ jobs_of() {
       echo "0 sweep_budgets bench/serve_sweep.py --interleave --pairs mla gqa --configs ddtree-8 ddtree-16 ddtree-32" \
            "ddtree-63 --min-seconds 6 --logs $r/serve_logs --out $r/serve_sweep_budgets.json" ;;
     serve-adaptive)
-      echo "0 sweep_adaptive bench/serve_sweep.py --interleave --pairs mla gqa --configs chain-7 adaptive-15" \
-           "adaptive-63 --min-seconds 6 --logs $r/serve_logs --out $r/serve_sweep_adaptive.json" ;;
+      echo "0 sweep_adaptive bench/serve_sweep.py --interleave --pairs mla gqa --configs nospec chain-7" \
+           "adaptive-15 adaptive-63 --min-seconds 6 --logs $r/serve_logs --out $r/serve_sweep_adaptive.json" ;;
     serve-profile)
       local c
       for c in ddtree-15 chain-7 vllmchain-7 adaptive-15 nospec; do
