@@ -239,6 +239,41 @@ def test_cuda_picks_the_tree_attention_backend_for_the_target(monkeypatch: pytes
         config_patches._select_tree_attention(args)
 
 
+def test_cuda_widens_graphs_unless_the_user_chose_capture_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from vllm.platforms import current_platform
+
+    from vllm_ddtree.patches import config as config_patches
+
+    def engine_args(**chosen: object) -> SimpleNamespace:
+        compilation = SimpleNamespace(cudagraph_capture_sizes=None, max_cudagraph_capture_size=None)
+        args = SimpleNamespace(cudagraph_capture_sizes=None, max_cudagraph_capture_size=None)
+        for name, value in chosen.items():
+            target, _, attr = name.partition("__")
+            setattr(compilation if target == "cc" else args, attr or target, value)
+        args.compilation_config = compilation
+        return args
+
+    args = engine_args()
+    config_patches._widen_cuda_graphs(args)  # the CPU platform keeps vLLM's sizes
+    assert args.max_cudagraph_capture_size is None
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+    config_patches._widen_cuda_graphs(args)
+    assert args.max_cudagraph_capture_size == config_patches.GRAPH_TOKENS
+    config_patches._widen_cuda_graphs(args)  # EngineArgs may build its configs twice
+    assert args.max_cudagraph_capture_size == config_patches.GRAPH_TOKENS
+    for chosen in (
+        {"max_cudagraph_capture_size": 256},
+        {"cudagraph_capture_sizes": [1, 8]},
+        {"cc__max_cudagraph_capture_size": 128},
+        {"cc__cudagraph_capture_sizes": [4]},
+    ):
+        args = engine_args(**chosen)
+        config_patches._widen_cuda_graphs(args)
+        assert args.max_cudagraph_capture_size == chosen.get("max_cudagraph_capture_size")
+
+
 def test_cpu_keeps_v1_and_turns_async_scheduling_off(monkeypatch: pytest.MonkeyPatch) -> None:
     from types import SimpleNamespace
 

@@ -2,6 +2,7 @@
 
 * ``EngineArgs.create_speculative_config``: turn the user's ddtree dict into vLLM's DFlash config plus an attached
   :class:`~vllm_ddtree.config.DDTreeConfig` (``SpeculativeConfig.ddtree``), and pick Model Runner V2 on CUDA.
+  On CUDA it also widens vLLM's CUDA graphs to ``GRAPH_TOKENS`` where the user chose none (``_widen_cuda_graphs``).
 * ``SpeculativeConfig.max_num_new_slots_for_drafting``: a DDTree drafter adds the slots of a DFlash chain of
   ``max_depth`` drafts per request, not of ``budget`` drafts as a chain of the same width would.
 
@@ -36,6 +37,8 @@ from vllm_ddtree.patches import metrics, patch_attr, requests, scheduler, struct
 logger = logging.getLogger("vllm.ddtree")  # under "vllm": vLLM's log handlers print it
 
 V2_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+GRAPH_TOKENS = 1024
+"""The largest CUDA-graph batch ddtree asks vLLM to capture where the user sets no capture sizes (vLLM's own 512)."""
 _SHORTHANDS = (("spec_method", "method"), ("spec_model", "model"), ("spec_tokens", "num_speculative_tokens"))
 
 
@@ -110,6 +113,32 @@ def _select_tree_attention(engine_args: Any) -> None:
         )
 
 
+def _widen_cuda_graphs(engine_args: Any) -> None:
+    """A tree verifies ``budget + 1`` tokens a request, and a verify beyond the largest FULL decode graph runs the
+    whole step without graphs; at vLLM's default 512 tokens the adaptive budget could offer budget 15 only up to 32
+    requests (``v2.speculator.full_graph_tokens``). Where the user sets no capture sizes, graphs go up to
+    ``GRAPH_TOKENS`` (vLLM's own size steps): budget 15 up to 64 requests, 7 up to 128, 63 up to 16."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda():
+        return
+    compilation = engine_args.compilation_config
+    chosen = (
+        engine_args.cudagraph_capture_sizes,
+        engine_args.max_cudagraph_capture_size,
+        compilation.cudagraph_capture_sizes,
+        compilation.max_cudagraph_capture_size,
+    )
+    if any(value is not None for value in chosen):
+        return
+    engine_args.max_cudagraph_capture_size = GRAPH_TOKENS
+    logger.info(
+        "DDTree: CUDA graphs are captured up to %d tokens (vLLM's default: 512) so that trees verify inside them at "
+        "higher load; --max-cudagraph-capture-size chooses another limit.",
+        GRAPH_TOKENS,
+    )
+
+
 def _check_drafter(vllm_dict: dict[str, Any]) -> None:
     """The drafter's own config.json must name a DFlash architecture (unreadable configs are left to vLLM)."""
     from transformers import PretrainedConfig
@@ -138,6 +167,7 @@ def create_speculative_config(self: Any, target_model_config: Any, target_parall
     check_target_and_features(target_model_config, self.kv_transfer_config)
     _select_model_runner_v2()
     _select_tree_attention(self)
+    _widen_cuda_graphs(self)
     _disable_async_scheduling_on_v1(self)
 
     # Call vLLM with the DFlash dict, then restore the user's values: EngineArgs may build configs more than once.
