@@ -49,8 +49,8 @@ def build_trees_with_chains(
 def full_graph_tokens(vllm_config: Any) -> int:
     """Tokens of the largest uniform decode batch that replays a FULL CUDA graph: the adaptive budget offers a
     width to ``r`` requests only where ``r * width`` tokens fit, since a wider verify runs the whole step without graphs
-    (at vLLM's default 512 tokens, budget 15 up to 32 requests, 7 up to 64, 3 up to 128). Without FULL decode graphs,
-    every batch the scheduler may form."""
+    (at ddtree's default 1,024 tokens, budget 15 up to 64 requests, 7 up to 128; ``patches.config.GRAPH_TOKENS``).
+    Without FULL decode graphs, every batch the scheduler may form."""
     compilation = vllm_config.compilation_config
     max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
     if compilation.cudagraph_mode.decode_mode() != CUDAGraphMode.FULL:
