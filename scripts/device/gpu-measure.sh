@@ -20,6 +20,8 @@
 #   serve-budgets  the same for ddtree at fixed budgets 8 16 32 63 (both pairs: 8 servers)
 #   serve-adaptive  the same for no spec, V2 chain k=7, ddtree adaptive 15 and adaptive 63 (both pairs: 8 servers;
 #                the widths-with-FULL-graphs rule at c64/c128, bigger trees at c1; JOB_TIMEOUT=1300)
+#   serve-high   the serve-sweep servers at concurrency 16 64 128 only, where the verify's width meets the FULL
+#                graphs' limit (one short session)
 #   serve-profile  the MLA pair under vLLM's default serving config at concurrency 1 4 16, with one profiled pass at
 #                16 (bench/trace_summary.py): ddtree 15 fixed, V2 chain k=7 (with and without this plugin loaded),
 #                ddtree adaptive 15, no spec
@@ -82,6 +84,9 @@ jobs_of() {
     serve-sweep)
       echo "0 sweep bench/serve_sweep.py --interleave --pairs mla gqa --configs nospec chain-7 adaptive-15" \
            "--min-seconds 6 --logs $r/serve_logs --out $r/serve_sweep.json" ;;
+    serve-high)
+      echo "0 sweep_high bench/serve_sweep.py --interleave --pairs mla gqa --configs nospec chain-7 adaptive-15" \
+           "--concurrency 16 64 128 --min-seconds 6 --logs $r/serve_logs --out $r/serve_sweep_high.json" ;;
     serve-budgets)
       echo "0 sweep_budgets bench/serve_sweep.py --interleave --pairs mla gqa --configs ddtree-8 ddtree-16 ddtree-32" \
            "ddtree-63 --min-seconds 6 --logs $r/serve_logs --out $r/serve_sweep_budgets.json" ;;
@@ -147,7 +152,7 @@ jobs_of() {
       grep -v '^\s*\(#\|$\)' "${1#jobs:}" | sed "s|\$RESULTS|$r|g" ;;
     *) echo "unknown stage '$1': step-a, step-b, acceptance, ops, tests, recheck, profile, profile-b16, profile-4k, offsets, offsets-wide," \
             "v1-plain, divergence, divergence-a, divergence-b, divergence-ab, numerics-tests, serve-sweep, serve-budgets," \
-            "serve-adaptive, serve-profile, serve-load, adaptive, load-faults" \
+            "serve-adaptive, serve-high, serve-profile, serve-load, adaptive, load-faults" \
             "or jobs:FILE" >&2; return 2 ;;
   esac
 }
