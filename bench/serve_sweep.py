@@ -59,12 +59,15 @@ PROFILED_STEPS = 400
 
 def speculative_config(config: str, drafter: Path) -> dict[str, Any] | None:
     """``nospec``, ``chain-K`` (vLLM's dflash, K drafts), ``vllmchain-K`` (the same with no vLLM plugin loaded:
-    vLLM as its users have it without this one), ``ddtree-B`` (fixed budget B), ``adaptive-B``."""
+    vLLM as its users have it without this one), ``ddtree-B`` (fixed budget B), ``adaptive-B``, ``plain-B``
+    (adaptive B with every step forced to verify no drafts: what speculation's machinery costs by itself)."""
     if config == "nospec":
         return None
     name, _, number = config.partition("-")
-    if name not in ("chain", "vllmchain", "ddtree", "adaptive") or not number.isdigit():
-        raise SystemExit(f"unknown config {config!r}: use nospec, chain-K, vllmchain-K, ddtree-B or adaptive-B")
+    if name not in ("chain", "vllmchain", "ddtree", "adaptive", "plain") or not number.isdigit():
+        raise SystemExit(
+            f"unknown config {config!r}: use nospec, chain-K, vllmchain-K, ddtree-B, adaptive-B or plain-B"
+        )
     spec: dict[str, Any] = {
         "method": "dflash" if name in ("chain", "vllmchain") else "ddtree",
         "model": str(drafter),
@@ -110,10 +113,12 @@ def server_args(pair: str, config: str, gpu: bool, tuned: bool, trace_dir: Path 
 def server_env(config: str, gpu: bool) -> dict[str, str] | None:
     """Environment of a config's server beyond this process's: on a GPU vLLM's chain runs on Model Runner V2, as
     ddtree does (vLLM's own default for the DeepSeek-architecture MLA target is V1); ``vllmchain`` loads no
-    plugin."""
+    plugin; ``plain`` forces the adaptive budget to 0 every step."""
     env = {"VLLM_USE_V2_MODEL_RUNNER": "1"} if gpu and config.startswith(("chain", "vllmchain")) else {}
     if config.startswith("vllmchain"):
         env["VLLM_PLUGINS"] = ""
+    if config.startswith("plain"):
+        env["VLLM_DDTREE_ADAPTIVE_FORCE"] = "0"
     return env or None
 
 

@@ -60,3 +60,4 @@ def test_vllms_chain_runs_on_model_runner_v2_on_a_gpu() -> None:
     assert server_env("vllmchain-7", gpu=True) == {"VLLM_USE_V2_MODEL_RUNNER": "1", "VLLM_PLUGINS": ""}
     assert server_env("nospec", gpu=True) is None and server_env("adaptive-15", gpu=True) is None  # vLLM's / ours
     assert server_env("chain-7", gpu=False) is None and server_env("vllmchain-7", gpu=False) == {"VLLM_PLUGINS": ""}
+    assert server_env("plain-15", gpu=False) == {"VLLM_DDTREE_ADAPTIVE_FORCE": "0"}
