@@ -248,7 +248,7 @@ def test_cuda_widens_graphs_unless_the_user_chose_capture_sizes(monkeypatch: pyt
 
     def engine_args(**chosen: object) -> SimpleNamespace:
         compilation = SimpleNamespace(cudagraph_capture_sizes=None, max_cudagraph_capture_size=None)
-        args = SimpleNamespace(cudagraph_capture_sizes=None, max_cudagraph_capture_size=None)
+        args = SimpleNamespace(cudagraph_capture_sizes=None, max_cudagraph_capture_size=None, enforce_eager=False)
         for name, value in chosen.items():
             target, _, attr = name.partition("__")
             setattr(compilation if target == "cc" else args, attr or target, value)
@@ -268,6 +268,7 @@ def test_cuda_widens_graphs_unless_the_user_chose_capture_sizes(monkeypatch: pyt
         {"cudagraph_capture_sizes": [1, 8]},
         {"cc__max_cudagraph_capture_size": 128},
         {"cc__cudagraph_capture_sizes": [4]},
+        {"enforce_eager": True},
     ):
         args = engine_args(**chosen)
         config_patches._widen_cuda_graphs(args)

@@ -120,7 +120,7 @@ def _widen_cuda_graphs(engine_args: Any) -> None:
     ``GRAPH_TOKENS`` (vLLM's own size steps): budget 15 up to 64 requests, 7 up to 128, 63 up to 16."""
     from vllm.platforms import current_platform
 
-    if not current_platform.is_cuda():
+    if not current_platform.is_cuda() or engine_args.enforce_eager:
         return
     compilation = engine_args.compilation_config
     chosen = (
