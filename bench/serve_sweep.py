@@ -385,8 +385,10 @@ def plot(path: Path) -> Path:
         for r in data["records"]:
             if (r["pair"], r["series"]) != (pair, series) or not r["cells"]:
                 continue
-            xs = [c["concurrency"] for c in r["cells"]]
-            ax.plot(xs, [c["median_tok_s"] for c in r["cells"]], marker="o", label=r["config"])
+            cells = sorted(r["cells"], key=lambda c: c["concurrency"])  # a sweep may run them in any order
+            ax.plot(
+                [c["concurrency"] for c in cells], [c["median_tok_s"] for c in cells], marker="o", label=r["config"]
+            )
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency (vllm bench serve --max-concurrency)")
         ax.set_ylabel("output tok/s (median of passes)")
@@ -483,7 +485,7 @@ def main() -> int:
             for pair in args.pairs:
                 for config in args.configs:
                     run_config(pair, config, s, args, gpu, workdir, *datasets[pair], records, save)
-    print(table(records, args.concurrency))
+    print(table(records, sorted(args.concurrency)))
     return 1 if any("error" in r for r in records) else 0
 
 
