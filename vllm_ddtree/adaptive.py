@@ -15,12 +15,12 @@ configured budget) for a batch of ``r`` requests by maximising ``(1 + E[accepted
   accepted paths: a ``k``-node prefix accepts exactly the path's nodes numbered ``<= k``. Counted on the device,
   read back through a copy that is only looked at once it has landed (no host synchronisation in the decode loop).
 
-Budgets never seen get the optimistic ``min(k, max_depth)`` until a step shows them; in a request-count bucket
-first seen each budget runs a burst of ``EXPLORE_BURST`` steps, and then every ``EXPLORE_EVERY`` choices a
-neighbouring budget above 0 that is not far behind runs a burst, and now and then the other side of the speculation
-switch (``switch_explore_interval``; its burst replaces that side's step-time readings in the bucket), so the
-estimates follow the traffic. Speculation switches off as soon as it stops paying (once the estimate saying so rests
-on ``TRUSTED_ROWS`` rows), and on again only ``MODE_DWELL`` choices after the last switch.
+Budgets never seen get the optimistic ``min(k, max_depth)`` until a step shows them; in a request-count bucket first
+seen each budget runs a burst of ``EXPLORE_BURST`` steps, and then every ``EXPLORE_EVERY`` choices a neighbouring budget
+above 0 that is not far behind (or whose step times rest on few steps) runs a burst, and now and then the other side of
+the speculation switch (``switch_explore_interval``; its burst replaces that side's step-time readings in the bucket),
+so the estimates follow the traffic. Speculation switches off as soon as it stops paying (once the estimate saying so
+rests on ``TRUSTED_ROWS`` rows), and on again only ``MODE_DWELL`` choices after the last switch.
 ``VLLM_DDTREE_ADAPTIVE_FORCE`` replaces the choice by a fixed cycle of budgets (tests and benches).
 """
 
@@ -43,7 +43,8 @@ EXPLORE_EVERY = 32
 """Every this many choices a neighbour of the best budget runs a burst (the next larger, then the next smaller, in
 turn), to keep its acceptance and cost estimates current."""
 EXPLORE_WITHIN = 0.7
-"""Only budgets expected at this fraction of the best's tokens per second or more are explored."""
+"""Only budgets expected at this fraction of the best's tokens per second or more are explored, once their step
+times are settled (``SETTLED_READINGS``)."""
 MODE_DWELL = 32
 """Choices after a switch of speculation before it may switch on again, so that switches stay rare. Switching off
 never waits: a batch that grew (a burst of arrivals after a quiet spell) must not verify trees it cannot afford for
@@ -62,6 +63,11 @@ steps' time (where a tree step costs many plain ones, a compute-bound CPU, they 
 ``SWITCH_EXPLORE_EVERY`` choices); while speculating, of the tokens the trees would have served instead."""
 EXPLORE_BURST = 4
 """Consecutive steps an explored budget runs (its first step follows another budget and is not observed)."""
+SETTLED_READINGS = 2 * EXPLORE_BURST
+"""Timed steps of a budget in a request-count bucket before its estimate may keep it from being explored
+(``EXPLORE_WITHIN``). A bucket's first burst can time stalls that are not the budget's (a kernel compiling at first
+use, a request ending and the next one's prefill between two choices at one request): a budget priced by that burst
+alone would never run again to correct it. Twice a burst's steps, so a stalled burst ends up a minority."""
 RATIO_WINDOW = 16
 """Observed-over-predicted step times kept per budget and request-count bucket (their median scales the curve)."""
 SPECULATION_MARGIN = 1.1
@@ -199,6 +205,10 @@ class StepCosts:
         predicted = self.predicted(num_reqs, k) if self.covers(num_reqs, k) else None
         return None if predicted is None else predicted * self.scale(k, num_reqs)
 
+    def readings(self, k: int, num_reqs: int) -> int:
+        """Timed steps of budget ``k`` in the bucket of ``num_reqs`` behind its scale (at most ``RATIO_WINDOW``)."""
+        return len(self._ratios.get((k, _bucket(num_reqs)), ()))
+
     def observe(self, num_reqs: int, k: int, seconds: float) -> None:
         """Fold in one timed uniform decode step of ``num_reqs`` requests at budget ``k``."""
         predicted = self.predicted(num_reqs, k)
@@ -214,11 +224,12 @@ class StepCosts:
         self._ratios.pop((k, _bucket(num_reqs)), None)
 
     def scale(self, k: int, num_reqs: int = 1) -> float:
-        """Observed over predicted seconds for budget ``k`` near ``num_reqs`` requests (1 before any step)."""
+        """Observed over predicted seconds for budget ``k`` near ``num_reqs`` requests (1 before any step); of an
+        even count the lower middle, since interference only ever adds time (of two readings, one stall is ignored)."""
         ratios = self._ratios.get((k, _bucket(num_reqs)), ())
         if len(ratios) < MIN_BUCKET_RATIOS:
             ratios = self._budget_ratios.get(k, ())
-        return statistics.median(ratios) if ratios else 1.0
+        return statistics.median_low(ratios) if ratios else 1.0
 
     def observations(self, k: int) -> int:
         return len(self._budget_ratios.get(k, ()))
@@ -443,7 +454,11 @@ class AdaptiveBudget:
         if self._choices % EXPLORE_EVERY == 0 and best > 0:
             upward = (self._choices // EXPLORE_EVERY) % 2 == 1
             neighbours = [k for _, k in speculating if (k > best if upward else k < best)]
-            neighbours = [k for k in neighbours if value[k] >= EXPLORE_WITHIN * value[best]]
+            neighbours = [
+                k
+                for k in neighbours
+                if value[k] >= EXPLORE_WITHIN * value[best] or self.costs.readings(k, num_reqs) < SETTLED_READINGS
+            ]
             if neighbours:
                 return self._start_burst(min(neighbours) if upward else max(neighbours))
         return best

@@ -16,6 +16,7 @@ from vllm_ddtree.adaptive import (
     MODE_DWELL,
     RATIO_WINDOW,
     SERVED_IDLE_GAP_S,
+    SETTLED_READINGS,
     SWITCH_EXPLORE_EVERY,
     SWITCH_EXPLORE_SHARE,
     SWITCH_EXPLORE_WHILE_ON,
@@ -318,6 +319,33 @@ def test_served_periods_correct_the_cost_model(monkeypatch: pytest.MonkeyPatch) 
         clock[0] += 2e-3 if k == 0 else 3.5e-3
     assert costs.scale(0, 1) == pytest.approx(2.0) and costs.scale(7, 1) == pytest.approx(1.4)
     assert set(choices[EXPLORE_BURST * 2 :]) == {7}, choices  # 2 tokens in 3.5 ms beat 1 in 2 ms by 1.14
+
+
+def test_a_budget_priced_by_one_stalled_burst_is_explored_until_its_steps_settle(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The H100 sweep's GQA server at one request: the bucket's first burst of budget 15 timed ~9x its steps (a
+    kernel compiling at first use, a request's end and the next one's prefill between two choices), and the budget,
+    priced out by it, never ran again. A budget whose step times rest on fewer than ``SETTLED_READINGS`` steps is
+    explored whatever its estimate, so the stall is outvoted and the whole tree comes back."""
+    clock = [0.0]
+    monkeypatch.setattr(adaptive.time, "monotonic", lambda: clock[0])
+    costs = StepCosts({k: {1: 1e-3} for k in (0, 1, 3, 7)})
+    stats = AcceptanceStats((0, 1, 3, 7), torch.device("cpu"))
+    _record_trusted(stats, [[0, 1, 2, 5]])  # accepted drafts: 1 at budget 1, 2 at 3, 3 at 7
+    policy = AdaptiveBudget((0, 1, 3, 7), costs, stats, max_depth=3, served=ServedPeriods(), full_context=True)
+    choices = []
+    for i in range(40 * EXPLORE_EVERY):
+        k = policy.choose(1)
+        choices.append(k)
+        clock[0] += 10e-3 if i < EXPLORE_BURST else 1e-3  # the bucket's first burst (budget 7, best first) stalls
+    assert choices[:EXPLORE_BURST] == [7] * EXPLORE_BURST and choices[EXPLORE_BURST * 4] == 3, choices[:24]
+    assert costs.readings(7, 1) >= SETTLED_READINGS and costs.scale(7, 1) == pytest.approx(1.0)
+    assert choices[-EXPLORE_EVERY:].count(7) >= EXPLORE_EVERY - EXPLORE_BURST, choices[-EXPLORE_EVERY:]
+    costs = StepCosts({7: {1: 1.0}})
+    costs.observe(1, 7, 1.0)
+    costs.observe(1, 7, 9.0)
+    assert costs.scale(7, 1) == 1.0  # of two readings, the stall is not averaged in
 
 
 def test_forced_policy_cycles() -> None:
