@@ -67,7 +67,8 @@ SETTLED_READINGS = 2 * EXPLORE_BURST
 """Timed steps of a budget in a request-count bucket before its estimate may keep it from being explored
 (``EXPLORE_WITHIN``). A bucket's first burst can time stalls that are not the budget's (a kernel compiling at first
 use, a request ending and the next one's prefill between two choices at one request): a budget priced by that burst
-alone would never run again to correct it. Twice a burst's steps, so a stalled burst ends up a minority."""
+alone would never run again to correct it. Twice a burst's length: the at most three readings of a stalled burst
+end up a minority."""
 RATIO_WINDOW = 16
 """Observed-over-predicted step times kept per budget and request-count bucket (their median scales the curve)."""
 SPECULATION_MARGIN = 1.1
